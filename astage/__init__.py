@@ -1,0 +1,50 @@
+"""astage: asyncio-native checkpoint staging for PyTorch.
+
+Stage a state_dict into reusable CPU buffers without blocking the event loop, replicate
+it to a peer rank, and persist it durably.  Everything public is re-exported here.
+"""
+
+from ._errors import AstageError as AstageError
+from ._errors import CapacityError as CapacityError
+from ._errors import ClosedError as ClosedError
+from ._errors import ConfigurationError as ConfigurationError
+from ._errors import IntegrityError as IntegrityError
+from ._errors import PeerTimeoutError as PeerTimeoutError
+from ._errors import PersistError as PersistError
+from ._errors import ResourceError as ResourceError
+from ._errors import TransportError as TransportError
+from ._errors import UnsupportedInputError as UnsupportedInputError
+from ._events import wait_event as wait_event
+from ._options import StagingOptions as StagingOptions
+from ._pool import BufferKind as BufferKind
+from ._pool import BufferPool as BufferPool
+from ._pool import PoolStats as PoolStats
+from ._stager import AsyncStager as AsyncStager
+from ._stager import BlockingStager as BlockingStager
+from ._stager import DefaultStager as DefaultStager
+from ._stager import StageStats as StageStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AstageError",
+    "AsyncStager",
+    "BlockingStager",
+    "BufferKind",
+    "BufferPool",
+    "CapacityError",
+    "ClosedError",
+    "ConfigurationError",
+    "DefaultStager",
+    "IntegrityError",
+    "PeerTimeoutError",
+    "PersistError",
+    "PoolStats",
+    "ResourceError",
+    "StageStats",
+    "StagingOptions",
+    "TransportError",
+    "UnsupportedInputError",
+    "__version__",
+    "wait_event",
+]

@@ -1,0 +1,154 @@
+"""Move bytes from source storages into staging buffers, off the event loop.
+
+A copy is a list of ``(dst, src)`` tensor pairs, one per distinct storage: the staged and
+source tensor themselves when one tensor covers its whole storage contiguously (no extra
+tensor objects: this is what keeps 20,000 small tensors cheap), else byte views of the two
+storages.  Pairs are cut into batches of at most :data:`CHUNK_BYTES` and each batch is one
+worker-thread call, so a cancellation takes effect within one chunk (a few ms).
+``Tensor.copy_`` is used throughout because it releases the GIL (``UntypedStorage.copy_``
+holds it for the whole copy).
+
+Device sources are enqueued ``non_blocking`` on a side stream that first waits for the
+caller's compute stream, and completion is an event the caller awaits from the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from ._plan import PlannedSource
+from ._slices import SLICE_SECONDS, Steps, clock
+
+CHUNK_BYTES = 16 << 20
+"""Largest amount copied by one worker-thread call: ~2-4 ms at memory bandwidth."""
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+Batch = list[Pair]
+
+_NOT_COPYABLE: frozenset[torch.dtype] = frozenset(
+    d
+    for name in (
+        *(f"int{i}" for i in range(1, 8)),
+        *(f"uint{i}" for i in range(1, 8)),
+        "qint8",
+        "qint32",
+        "quint8",
+        "quint4x2",
+        "quint2x4",
+    )
+    if isinstance(d := getattr(torch, name, None), torch.dtype)
+)
+"""Dtypes whose ``copy_`` kernel is missing: their storages are copied as bytes."""
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def iter_pairs(
+    source: PlannedSource,
+    dst_storages: Sequence[torch.UntypedStorage],
+    staged_locals: Sequence[torch.Tensor],
+) -> Steps[list[tuple[torch.Tensor, torch.Tensor, int]]]:
+    """One ``(dst, src, nbytes)`` per distinct non-empty storage, in time slices."""
+    plan = source.plan
+    cover: list[int | None] = [None] * len(plan.storages)
+    deadline = clock() + SLICE_SECONDS
+    for i, spec in enumerate(plan.tensors):
+        s = spec.storage
+        if cover[s] is None and spec.offset == 0 and not spec.conj and not spec.neg:
+            nbytes = plan.storages[s].nbytes
+            src = source.tensors[i]
+            if (
+                spec.dtype not in _NOT_COPYABLE
+                and src.numel() * src.element_size() == nbytes
+                and src.is_contiguous()
+            ):
+                cover[s] = i
+        if clock() > deadline:
+            yield
+            deadline = clock() + SLICE_SECONDS
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    for s, storage_spec in enumerate(plan.storages):
+        if storage_spec.nbytes == 0:
+            continue
+        covering = cover[s]
+        if covering is not None:
+            pairs.append((staged_locals[covering], source.tensors[covering], storage_spec.nbytes))
+        else:
+            pairs.append((_bytes(dst_storages[s]), _bytes(source.storages[s]), storage_spec.nbytes))
+        if clock() > deadline:
+            yield
+            deadline = clock() + SLICE_SECONDS
+    return pairs
+
+
+def iter_batches(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor, int]], chunk_bytes: int = CHUNK_BYTES
+) -> Steps[list[Batch]]:
+    """Group small pairs and split large ones so each batch moves at most ``chunk_bytes``."""
+    out: list[Batch] = []
+    current: Batch = []
+    current_bytes = 0
+    deadline = clock() + SLICE_SECONDS
+    for dst, src, nbytes in pairs:
+        if nbytes > chunk_bytes:
+            d, s = dst.reshape(-1), src.reshape(-1)
+            step = max(1, chunk_bytes // dst.element_size())
+            out.extend([(d[i : i + step], s[i : i + step])] for i in range(0, d.numel(), step))
+        else:
+            if current_bytes + nbytes > chunk_bytes and current:
+                out.append(current)
+                current, current_bytes = [], 0
+            current.append((dst, src))
+            current_bytes += nbytes
+        if clock() > deadline:
+            yield
+            deadline = clock() + SLICE_SECONDS
+    if current:
+        out.append(current)
+    return out
+
+
+def run_batch(batch: Batch, non_blocking: bool = False) -> None:
+    """Copy one batch on the calling thread (a worker thread, or a side stream context)."""
+    with torch.no_grad():
+        if len(batch) == 1:
+            dst, src = batch[0]
+            dst.copy_(src, non_blocking=non_blocking)
+        else:
+            torch._foreach_copy_([d for d, _ in batch], [s for _, s in batch], non_blocking=non_blocking)
+
+
+async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.CapacityLimiter | None) -> None:
+    """Run every batch in a worker thread, one after another.
+
+    Not abandoned on cancellation: the running batch finishes (a few ms) before the
+    cancellation is delivered, so no thread writes into a buffer after this returns.
+    """
+    for batch in plan_batches:
+        await anyio.to_thread.run_sync(_run_boxed, [batch], limiter=limiter)
+
+
+def _run_boxed(box: list[Batch]) -> None:
+    # An idle worker thread keeps its last call's arguments alive; passing the batch in a
+    # box that is emptied here keeps staged tensors from being pinned by a parked thread.
+    run_batch(box.pop())
+
+
+def enqueue_device_copies(plan_batches: list[Sequence[Batch]], side_stream: Any, compute_stream: Any) -> Any:
+    """Enqueue every batch non-blocking on ``side_stream``; return an event recorded after.
+
+    The side stream first waits for ``compute_stream`` so it never copies stale data.
+    Blocking only for the enqueueing: run it in a worker thread for big state_dicts.
+    ``plan_batches`` is a one-element box, emptied here (see :func:`_run_boxed`).
+    """
+    side_stream.wait_stream(compute_stream)
+    with side_stream:
+        for batch in plan_batches.pop():
+            run_batch(batch, non_blocking=True)
+        return side_stream.record_event()

@@ -1,0 +1,91 @@
+"""The astage exception hierarchy.
+
+One root, :class:`AstageError`, and a few groups a caller can catch by meaning:
+configuration, unsupported input, closed or exhausted resources, peers and transport,
+integrity of stored bytes, and persistence.  Leaves say what happened and where: errors
+about a user's state_dict carry the key path of the offending value.  Lower-level errors
+(``OSError``, c10d, CUDA) are translated at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+KeyPath = tuple[object, ...]
+"""A path into a state_dict: dict keys, sequence indices and ``.attribute`` names."""
+
+
+def format_key_path(path: Sequence[object]) -> str:
+    """Render a key path the way Python would index it: ``state_dict['opt']['state'][0].x``."""
+    parts = ["state_dict"]
+    for entry in path:
+        if isinstance(entry, Attr):
+            parts.append(f".{entry.name}")
+        else:
+            parts.append(f"[{entry!r}]")
+    return "".join(parts)
+
+
+class Attr:
+    """A key path entry for an attribute (``obj.name``) rather than an item (``obj[name]``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Attr({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Attr) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("Attr", self.name))
+
+
+class AstageError(Exception):
+    """Root of every error astage raises on purpose."""
+
+
+class ConfigurationError(AstageError, ValueError):
+    """Options or arguments that cannot work on this machine or together."""
+
+
+class UnsupportedInputError(AstageError, TypeError):
+    """A value in the state_dict that astage cannot stage or serialise faithfully.
+
+    :ivar key_path: where in the state_dict the value sits.
+    """
+
+    def __init__(self, key_path: Sequence[object], message: str) -> None:
+        self.key_path: KeyPath = tuple(key_path)
+        super().__init__(f"{format_key_path(self.key_path)}: {message}")
+
+
+class ResourceError(AstageError):
+    """A resource astage manages is closed or cannot satisfy the request."""
+
+
+class ClosedError(ResourceError, RuntimeError):
+    """The stager, pool or transport was used after ``aclose()``."""
+
+
+class CapacityError(ResourceError, MemoryError):
+    """A single request is larger than the configured memory cap; waiting cannot help."""
+
+
+class TransportError(AstageError):
+    """Exchanging state with a peer rank failed."""
+
+
+class PeerTimeoutError(TransportError, TimeoutError):
+    """A peer did not complete its part of the exchange within the timeout."""
+
+
+class IntegrityError(AstageError, ValueError):
+    """Stored or received bytes are not a valid, untampered astage replica."""
+
+
+class PersistError(AstageError, OSError):
+    """Writing a replica or checkpoint durably failed; the previous one is intact."""

@@ -1,0 +1,534 @@
+"""Plan a state_dict: one pure walk that says what to copy and how to rebuild the tree.
+
+:func:`plan_state_dict` walks the user's tree once and returns a :class:`StagePlan` (frozen
+data: the tree's shape, one :class:`TensorSpec` per distinct tensor, one
+:class:`StorageSpec` per distinct storage) plus the source tensors it refers to.  It touches
+no device, thread or file, so every rule here is tested on CPU.
+
+Invariants:
+
+* Tensors that share a storage in the source share one storage in the plan, with the same
+  ``storage_offset``, size and stride; tensors that do not, do not.  A staged storage has
+  exactly the source storage's byte size.
+* The same Python object met twice (a tied Parameter, a dict referenced from two places)
+  is rebuilt as one object met twice; a reference cycle is rejected.
+* Anything that cannot be copied faithfully raises :class:`UnsupportedInputError` with its
+  key path.  Nothing is ever silently dropped or copied wrongly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import decimal
+import enum
+import fractions
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
+
+import torch
+
+from ._errors import Attr, KeyPath, UnsupportedInputError
+from ._slices import SLICE_SECONDS, Steps, clock, drive
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+_ATOMS: frozenset[type] = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        range,
+        slice,
+        type(Ellipsis),
+        decimal.Decimal,
+        fractions.Fraction,
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        torch.layout,
+        torch.memory_format,
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        types.ModuleType,
+    }
+)
+"""Immutable leaf types kept by reference: copying them could never isolate anything."""
+
+
+class TensorKind(enum.Enum):
+    """Which Python type a staged tensor is rebuilt as."""
+
+    TENSOR = "tensor"
+    PARAMETER = "parameter"
+    DTENSOR = "dtensor"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StorageSpec:
+    """One distinct source storage: its byte size and device."""
+
+    nbytes: int
+    device: torch.device
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One distinct source tensor: how to view its staged storage and what to rebuild."""
+
+    key_path: KeyPath
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    kind: TensorKind
+    requires_grad: bool
+    conj: bool = False
+    neg: bool = False
+    attrs: Node | None = None
+    dtensor_spec: Any = None
+
+
+# -- tree nodes ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AtomNode:
+    """An immutable leaf, kept by reference."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyNode:
+    """A mutable non-container leaf, deep-copied at rebuild so the source can change."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorNode:
+    """A tensor leaf: index into :attr:`StagePlan.tensors`."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RefNode:
+    """A container already met elsewhere in the tree (identity is preserved)."""
+
+    memo: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DictNode:
+    """A dict or dict subclass; ``prototype`` is the source (used for subclasses only)."""
+
+    memo: int
+    keys: tuple[Any, ...]
+    values: tuple[Node, ...]
+    prototype: dict[Any, Any] | None
+    attrs: tuple[tuple[str, Node], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SeqNode:
+    """A list, tuple, namedtuple or a subclass of list/tuple."""
+
+    memo: int
+    cls: type
+    items: tuple[Node, ...]
+    prototype: list[Any] | None
+    attrs: tuple[tuple[str, Node], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectNode:
+    """An object rebuilt from its ``__dict__`` and ``__slots__`` (dataclasses, frozen too)."""
+
+    memo: int
+    cls: type
+    fields: tuple[tuple[str, Node], ...]
+
+
+Node = AtomNode | CopyNode | TensorNode | RefNode | DictNode | SeqNode | ObjectNode
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagePlan:
+    """What to copy (storages) and how to rebuild the tree over the copies (tensors, root)."""
+
+    root: Node
+    tensors: tuple[TensorSpec, ...]
+    storages: tuple[StorageSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all distinct storages: what staging copies and allocates."""
+        return sum(s.nbytes for s in self.storages)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannedSource:
+    """A plan bound to the source objects it was made from.
+
+    ``tensors[i]`` is the plain (local) source tensor of ``plan.tensors[i]`` and
+    ``storages[j]`` the source storage of ``plan.storages[j]``.
+    """
+
+    plan: StagePlan
+    tensors: tuple[torch.Tensor, ...]
+    storages: tuple[torch.UntypedStorage, ...]
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        if isinstance(slots, str):
+            slots = (slots,)
+        names.extend(s for s in slots if s not in ("__dict__", "__weakref__") and s not in names)
+    return names
+
+
+class _Planner:
+    def __init__(self, *, strict: bool, allowed_devices: frozenset[str]) -> None:
+        self.strict = strict
+        self.allowed_devices = allowed_devices
+        self.tensors: list[TensorSpec] = []
+        self.sources: list[torch.Tensor] = []
+        self.storages: list[StorageSpec] = []
+        self.storage_objs: list[torch.UntypedStorage] = []
+        self.storage_index: dict[int, int] = {}
+        self.tensor_index: dict[int, int] = {}
+        self.memo: dict[int, int] = {}
+        self.active: set[int] = set()
+        self.keepalive: list[object] = []
+        self.clock = clock
+        self.deadline = clock() + SLICE_SECONDS
+
+    def walk(self, x: Any, path: KeyPath) -> Steps[Node]:
+        cls = type(x)
+        if cls in _ATOMS:
+            return AtomNode(x)
+        if isinstance(x, torch.Tensor):
+            return (yield from self.tensor(x, path))
+        if id(x) in self.memo:
+            return RefNode(self.memo[id(x)])
+        if isinstance(x, (enum.Enum, type)):
+            return AtomNode(x)
+        if id(x) in self.active:
+            raise UnsupportedInputError(path, "reference cycle: this object contains itself")
+        self.active.add(id(x))
+        try:
+            node = yield from self.container(x, cls, path)
+        finally:
+            self.active.discard(id(x))
+        return node
+
+    def _memo(self, x: object) -> int:
+        memo = len(self.memo)
+        self.memo[id(x)] = memo
+        self.keepalive.append(x)  # ids stay unique only while the objects live
+        return memo
+
+    def _attrs(self, x: object, path: KeyPath) -> Steps[tuple[tuple[str, Node], ...]]:
+        state = getattr(x, "__dict__", None)
+        if not state:
+            return ()
+        out = []
+        for k, v in state.items():
+            out.append((k, (yield from self.walk(v, (*path, Attr(k))))))
+        return tuple(out)
+
+    def _items(self, pairs: Iterable[tuple[Any, Any]], path: KeyPath) -> Steps[tuple[Node, ...]]:
+        out: list[Node] = []
+        append = out.append
+        clock = self.clock
+        for k, v in pairs:
+            # Tensors and atoms are the bulk of a state_dict: handle them without a generator.
+            if type(v) in _ATOMS:
+                append(AtomNode(v))
+            elif isinstance(v, torch.Tensor) and id(v) not in self.tensor_index:
+                append(self.new_tensor(v, (*path, k)))
+            else:
+                append((yield from self.walk(v, (*path, k))))
+            if clock() > self.deadline:
+                yield
+                self.deadline = clock() + SLICE_SECONDS
+        return tuple(out)
+
+    def container(self, x: Any, cls: type, path: KeyPath) -> Steps[Node]:
+        if isinstance(x, dict):
+            for k in x:
+                if isinstance(k, torch.Tensor):
+                    raise UnsupportedInputError(path, "tensors cannot be dict keys in a state_dict")
+            values = yield from self._items(x.items(), path)
+            attrs = () if cls is dict else (yield from self._attrs(x, path))
+            return DictNode(self._memo(x), tuple(x), values, None if cls is dict else x, attrs)
+        if isinstance(x, (list, tuple)):
+            items = yield from self._items(enumerate(x), path)
+            attrs = () if cls in (list, tuple) else (yield from self._attrs(x, path))
+            memo = self._memo(x)
+            if isinstance(x, tuple) and attrs:
+                raise UnsupportedInputError(path, f"tuple subclass {cls.__qualname__} carries attributes")
+            proto = x if isinstance(x, list) and cls is not list else None
+            return SeqNode(memo, cls, items, proto, attrs)
+        if isinstance(x, (types.MethodType, types.BuiltinMethodType)):
+            return AtomNode(x)
+        if not (hasattr(x, "__dict__") or _slot_names(cls)):
+            return self.leaf(x, cls, path)
+        fields: list[tuple[str, Node]] = list((yield from self._attrs(x, path)))
+        for name in _slot_names(cls):
+            if hasattr(x, name):
+                fields.append((name, (yield from self.walk(getattr(x, name), (*path, Attr(name))))))
+        return ObjectNode(self._memo(x), cls, tuple(fields))
+
+    def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
+        if self.strict:
+            raise UnsupportedInputError(
+                path, f"type check: {cls.__qualname__} is not a tensor, container or plain value"
+            )
+        try:
+            copy.deepcopy(x)
+        except Exception as exc:
+            raise UnsupportedInputError(path, f"{cls.__qualname__} cannot be copied: {exc}") from exc
+        return CopyNode(x)
+
+    def tensor(self, x: torch.Tensor, path: KeyPath) -> Steps[Node]:
+        known = self.tensor_index.get(id(x))
+        if known is not None:
+            return TensorNode(known)
+        node = self.new_tensor(x, path)
+        if False:  # pragma: no cover - makes this a generator like every other walk step
+            yield
+        return node
+
+    def new_tensor(self, x: torch.Tensor, path: KeyPath) -> TensorNode:
+        cls = type(x)
+        dtensor_spec = None
+        if cls is torch.Tensor:
+            kind = TensorKind.TENSOR
+            local = x
+        elif cls is torch.nn.Parameter:
+            kind = TensorKind.PARAMETER
+            local = x
+        elif DTensor is not None and cls is DTensor:
+            kind = TensorKind.DTENSOR
+            local = x._local_tensor  # type: ignore[attr-defined]
+            dtensor_spec = x._spec  # type: ignore[attr-defined]
+        else:
+            raise UnsupportedInputError(
+                path, f"tensor subclass {cls.__qualname__} is not supported (only Tensor, Parameter, DTensor)"
+            )
+        self._check_tensor(local, path)
+        storage = local.untyped_storage()
+        key = storage._cdata
+        sidx = self.storage_index.get(key)
+        if sidx is None:
+            sidx = len(self.storages)
+            self.storage_index[key] = sidx
+            self.storages.append(StorageSpec(storage.nbytes(), local.device))
+            self.storage_objs.append(storage)
+        attrs = getattr(x, "__dict__", None)
+        attr_node = drive(self.walk(attrs, (*path, Attr("__dict__")))) if attrs else None
+        spec = TensorSpec(
+            key_path=path,
+            storage=sidx,
+            dtype=local.dtype,
+            size=tuple(local.size()),
+            stride=local.stride(),
+            offset=int(local.storage_offset()),
+            kind=kind,
+            requires_grad=x.requires_grad,
+            conj=local.is_conj(),
+            neg=local.is_neg(),
+            attrs=attr_node,
+            dtensor_spec=dtensor_spec,
+        )
+        index = len(self.tensors)
+        self.tensors.append(spec)
+        self.sources.append(local)
+        self.tensor_index[id(x)] = index
+        self.keepalive.append(x)
+        return TensorNode(index)
+
+    def _check_tensor(self, t: torch.Tensor, path: KeyPath) -> None:
+        if t.is_meta:
+            raise UnsupportedInputError(path, "meta tensors have no data to stage")
+        if t.is_nested:
+            raise UnsupportedInputError(path, "nested tensors are not supported")
+        if t.layout != torch.strided:
+            raise UnsupportedInputError(
+                path, f"layout {t.layout} is not supported (only dense strided tensors)"
+            )
+        if t.is_quantized:
+            raise UnsupportedInputError(path, "quantized tensors are not supported")
+        if t.device.type not in self.allowed_devices:
+            raise UnsupportedInputError(
+                path,
+                f"device {t.device} is not supported here (expected one of {sorted(self.allowed_devices)})",
+            )
+
+
+def supported_devices() -> frozenset[str]:
+    """Device types a stager on this machine can copy from: the CPU and the accelerator."""
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return frozenset({"cpu"} | ({accel.type} if accel is not None else set()))
+
+
+def plan_state_dict(
+    state_dict: Any, *, strict: bool = False, allowed_devices: frozenset[str] | None = None
+) -> PlannedSource:
+    """Walk ``state_dict`` once and return its plan bound to its source tensors (see :func:`iter_plan`)."""
+    return drive(iter_plan(state_dict, strict=strict, allowed_devices=allowed_devices))
+
+
+def iter_plan(
+    state_dict: Any, *, strict: bool = False, allowed_devices: frozenset[str] | None = None
+) -> Steps[PlannedSource]:
+    """Walk ``state_dict`` once, in time slices, and return its plan bound to its sources.
+
+    :param strict: reject leaves that are not tensors, containers, objects or immutable
+        values, instead of deep-copying them (the reference's ``type_check``).
+    :param allowed_devices: device types tensors may live on; default: CPU and the
+        machine's accelerator.
+    :raises UnsupportedInputError: a value that cannot be staged faithfully, with its path.
+    """
+    planner = _Planner(strict=strict, allowed_devices=allowed_devices or supported_devices())
+    root = yield from planner.walk(state_dict, ())
+    plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
+    return PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs))
+
+
+# -- rebuild ------------------------------------------------------------------------------
+
+
+def make_tensor(spec: TensorSpec, storage: torch.UntypedStorage) -> torch.Tensor:
+    """A plain tensor viewing ``storage`` exactly as the source viewed its storage."""
+    t = torch.empty(0, dtype=spec.dtype).set_(storage, spec.offset, spec.size, spec.stride)
+    if spec.conj:
+        t = t.conj()
+    if spec.neg:
+        t = torch._neg_view(t)
+    return t
+
+
+def rebuild(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Any:
+    """Rebuild the planned tree over staged ``storages`` (one per :attr:`StagePlan.storages`)."""
+    return drive(
+        iter_rebuild(plan, lambda i: make_tensor(plan.tensors[i], storages[plan.tensors[i].storage]))
+    )
+
+
+def iter_rebuild(plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> Steps[Any]:
+    """Rebuild the planned tree in time slices; ``local_tensor(i)`` gives the plain staged
+    tensor of ``plan.tensors[i]`` (wrapped here as a Parameter or DTensor as planned)."""
+    with torch.no_grad():
+        return (yield from _Rebuilder(plan, local_tensor).node(plan.root))
+
+
+class _Rebuilder:
+    # A class rather than nested closures: closures that call each other form a reference
+    # cycle, which would keep the staged tensors (and so their buffers) alive until the
+    # garbage collector happens to run.
+    def __init__(self, plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> None:
+        self.plan = plan
+        self.local_tensor = local_tensor
+        self.built: dict[int, Any] = {}
+        self.tensors: list[torch.Tensor | None] = [None] * len(plan.tensors)
+        self.deadline = clock() + SLICE_SECONDS
+
+    def tensor(self, index: int) -> torch.Tensor:
+        done = self.tensors[index]
+        if done is not None:
+            return done
+        spec = self.plan.tensors[index]
+        local = self.local_tensor(index)
+        out: torch.Tensor
+        if spec.kind is TensorKind.PARAMETER:
+            out = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
+        elif spec.kind is TensorKind.DTENSOR:
+            out = DTensor(local, spec.dtensor_spec, requires_grad=spec.requires_grad)  # type: ignore[no-untyped-call]
+        else:
+            out = local.requires_grad_(spec.requires_grad) if spec.requires_grad else local
+        if spec.attrs is not None:
+            vars(out).update(drive(self.node(spec.attrs)))
+        self.tensors[index] = out
+        return out
+
+    def many(self, nodes: Iterable[Node]) -> Steps[list[Any]]:
+        out: list[Any] = []
+        append = out.append
+        for n in nodes:
+            if type(n) is TensorNode:
+                append(self.tensor(n.index))
+            elif type(n) is AtomNode:
+                append(n.value)
+            else:
+                append((yield from self.node(n)))
+            if clock() > self.deadline:
+                yield
+                self.deadline = clock() + SLICE_SECONDS
+        return out
+
+    def pairs(self, attrs: tuple[tuple[str, Node], ...]) -> Steps[list[tuple[str, Any]]]:
+        values = yield from self.many(v for _, v in attrs)
+        return [(k, v) for (k, _), v in zip(attrs, values, strict=True)]
+
+    def node(self, n: Node) -> Steps[Any]:
+        match n:
+            case TensorNode(index):
+                return self.tensor(index)
+            case AtomNode(value):
+                return value
+            case CopyNode(value):
+                return copy.deepcopy(value)
+            case RefNode(memo):
+                return self.built[memo]
+            case DictNode(memo, keys, values, proto, attrs):
+                built_values = yield from self.many(values)
+                if proto is None:
+                    out_d: dict[Any, Any] = dict(zip(keys, built_values, strict=True))
+                else:
+                    out_d = copy.copy(proto)
+                    out_d.clear()
+                    for k, v in zip(keys, built_values, strict=True):
+                        out_d[k] = v
+                    vars(out_d).update((yield from self.pairs(attrs)))
+                self.built[memo] = out_d
+                return out_d
+            case SeqNode(memo, cls, items, proto, attrs):
+                values_l = yield from self.many(items)
+                out_s: Any
+                if cls is list:
+                    out_s = values_l
+                elif cls is tuple:
+                    out_s = tuple(values_l)
+                elif proto is not None:
+                    out_s = copy.copy(proto)
+                    out_s.clear()
+                    out_s.extend(values_l)
+                    vars(out_s).update((yield from self.pairs(attrs)))
+                elif hasattr(cls, "_make"):
+                    out_s = cls._make(values_l)
+                else:
+                    out_s = cls(values_l)
+                self.built[memo] = out_s
+                return out_s
+            case ObjectNode(memo, cls, fields):
+                obj = cast(Any, cls).__new__(cls)
+                self.built[memo] = obj
+                for name, value in (yield from self.pairs(fields)):
+                    object.__setattr__(obj, name, value)
+                return obj
+        raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover

@@ -1,0 +1,371 @@
+"""An async pool of staging buffers: reused across checkpoints, capped, FIFO-fair.
+
+A buffer is one CPU ``UntypedStorage`` of an exact byte size (plain, pinned or shared
+memory).  ``acquire(sizes)`` hands out a :class:`Lease` holding one buffer per requested
+size, reusing free buffers of the same size and allocating (and pre-faulting, off the event
+loop) the rest.
+
+Invariants:
+
+* The pool never holds more than ``max_bytes`` of buffers.  A request that does not fit
+  waits, first in first out; a request larger than the cap fails at once.
+* A buffer handed out to a caller (``hand_out``) goes back to the free list only when
+  nothing but the pool references its storage: no tensor, no view, no storage object.  A
+  staged copy that a caller still holds is therefore never overwritten.
+* ``give_back`` is for leases that were never handed out; the caller promises that no
+  thread and no device copy can still write into them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from ._errors import CapacityError, ClosedError
+
+log = logging.getLogger("astage.pool")
+
+RECLAIM_POLL_SECONDS = 0.02
+"""How often a waiter re-checks for buffers whose staged copies were dropped."""
+
+ALLOC_BATCH_BYTES = 64 << 20
+"""Bytes allocated and pre-faulted per worker-thread call (bounds cancellation latency)."""
+
+
+class BufferKind(enum.Enum):
+    """Where staging buffers live."""
+
+    PLAIN = "plain"
+    PINNED = "pinned"
+    SHARED = "shared"
+    SHARED_PINNED = "shared+pinned"
+
+    @classmethod
+    def of(cls, *, pinned: bool, shared: bool) -> BufferKind:
+        """The kind for a pair of staging switches."""
+        if shared:
+            return cls.SHARED_PINNED if pinned else cls.SHARED
+        return cls.PINNED if pinned else cls.PLAIN
+
+
+def _pin_shared(storage: torch.UntypedStorage) -> None:
+    """Page-lock an existing (shared) CPU storage once; unpinned when the storage dies."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    ptr, size = storage.data_ptr(), storage.nbytes()
+    if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+        raise RuntimeError(f"cudaHostRegister failed for {size} bytes")
+    weakref.finalize(storage, cudart.cudaHostUnregister, ptr).atexit = False
+
+
+def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
+    """Allocate one CPU storage of ``kind`` and touch every page (pre-fault).
+
+    Blocking: call it from a worker thread.  Shared storages use named shared memory
+    (``file_system`` style), which keeps no file descriptor open per storage, so a
+    state_dict of tens of thousands of tensors cannot exhaust descriptors.
+    """
+    if kind in (BufferKind.SHARED, BufferKind.SHARED_PINNED):
+        storage = torch.UntypedStorage._new_shared_filename_cpu(nbytes)  # type: ignore[call-arg]
+        if kind is BufferKind.SHARED_PINNED and nbytes:
+            _pin_shared(storage)
+    else:
+        pin = kind is BufferKind.PINNED
+        storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+    if nbytes and kind is not BufferKind.PINNED:  # page-locked memory is resident already
+        torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
+    return storage
+
+
+@dataclasses.dataclass(eq=False)
+class Buffer:
+    """One pooled staging storage."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+
+    def is_referenced_elsewhere(self) -> bool:
+        """Whether anything besides the pool holds this storage (tensor, view or object)."""
+        # 2 Python references: this dataclass field and getrefcount's own argument.
+        return torch._C._storage_Use_Count(self.storage._cdata) > 1 or sys.getrefcount(self.storage) > 2
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    """Buffers held for one staging call, in the order they were requested."""
+
+    buffers: list[Buffer]
+    allocated_bytes: int
+    reused_buffers: int
+    wait_seconds: float
+
+    @property
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The leased storages, one per requested size."""
+        return [b.storage for b in self.buffers]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's memory."""
+
+    total_bytes: int
+    free_bytes: int
+    leased_bytes: int
+    handed_out_bytes: int
+    allocated_bytes_ever: int
+    waiters: int
+
+
+class BufferPool:
+    """Reusable staging buffers of one :class:`BufferKind` under an optional byte cap.
+
+    :param kind: plain, pinned or shared memory.
+    :param max_bytes: cap on the bytes of buffers the pool holds; ``None`` for no cap.
+    :param retain: keep returned buffers for reuse (``False``: free them at once).
+    :param allocate_inline: allocate on the calling thread (for blocking stagers).
+    """
+
+    def __init__(
+        self,
+        kind: BufferKind = BufferKind.PLAIN,
+        *,
+        max_bytes: int | None = None,
+        retain: bool = True,
+        allocate_inline: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.max_bytes = max_bytes
+        self.retain = retain
+        self._inline = allocate_inline
+        self._free: dict[int, list[Buffer]] = collections.defaultdict(list)
+        self._free_bytes = 0
+        self._leased: set[int] = set()  # ids of buffers in leases not yet handed out
+        self._leased_bytes = 0
+        self._out: dict[int, Buffer] = {}
+        self._out_bytes = 0
+        self._reserved = 0  # bytes being allocated right now
+        self._allocated_ever = 0
+        self._queue: collections.deque[object] = collections.deque()
+        self._changed: anyio.Event | None = None
+        self._closed = False
+
+    # -- accounting ---------------------------------------------------------------------
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every buffer the pool holds or is allocating."""
+        return self._free_bytes + self._leased_bytes + self._out_bytes + self._reserved
+
+    def stats(self) -> PoolStats:
+        """A snapshot of the pool's memory."""
+        return PoolStats(
+            total_bytes=self.total_bytes,
+            free_bytes=self._free_bytes,
+            leased_bytes=self._leased_bytes,
+            handed_out_bytes=self._out_bytes,
+            allocated_bytes_ever=self._allocated_ever,
+            waiters=len(self._queue),
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _free_push(self, buf: Buffer) -> None:
+        if self.retain and not self._closed:
+            self._free[buf.nbytes].append(buf)
+            self._free_bytes += buf.nbytes
+        # Otherwise the buffer is dropped; its memory goes when the last reference does.
+
+    # -- reclaiming -----------------------------------------------------------------------
+
+    def reclaim(self) -> int:
+        """Return handed-out buffers that nothing references any more; bytes reclaimed."""
+        done = [key for key, buf in self._out.items() if not buf.is_referenced_elsewhere()]
+        freed = 0
+        for key in done:
+            buf = self._out.pop(key)
+            self._out_bytes -= buf.nbytes
+            freed += buf.nbytes
+            self._free_push(buf)
+        if freed:
+            self._notify()
+        return freed
+
+    # -- acquiring ------------------------------------------------------------------------
+
+    def _take(self, sizes: Sequence[int]) -> tuple[list[Buffer | None], int] | None:
+        """Reserve free buffers for ``sizes`` if the request fits now; else ``None``."""
+        wanted = collections.Counter(sizes)
+        missing = sum(n * max(0, c - len(self._free.get(n, ()))) for n, c in wanted.items())
+        if self.max_bytes is not None and self.total_bytes + missing > self.max_bytes:
+            self._evict(self.total_bytes + missing - self.max_bytes, wanted)
+            if self.total_bytes + missing > self.max_bytes:
+                return None
+        taken: list[Buffer | None] = []
+        for n in sizes:
+            bucket = self._free.get(n)
+            if bucket:
+                buf = bucket.pop()
+                self._free_bytes -= n
+                self._leased.add(id(buf))
+                self._leased_bytes += n
+                taken.append(buf)
+            else:
+                taken.append(None)
+        self._reserved += missing
+        return taken, missing
+
+    def _evict(self, excess: int, keep: collections.Counter[int]) -> None:
+        """Free idle buffers that this request cannot use, largest first."""
+        for n in sorted(self._free, reverse=True):
+            bucket = self._free[n]
+            spare = len(bucket) - keep.get(n, 0)
+            while spare > 0 and excess > 0:
+                bucket.pop()
+                self._free_bytes -= n
+                excess -= n
+                spare -= 1
+            if excess <= 0:
+                return
+
+    async def acquire(self, sizes: Sequence[int], *, limiter: anyio.CapacityLimiter | None = None) -> Lease:
+        """Lease one buffer per entry of ``sizes`` (bytes), waiting for room if capped.
+
+        New buffers are allocated and pre-faulted in worker threads under ``limiter``.
+
+        :raises CapacityError: the request alone exceeds ``max_bytes``.
+        :raises ClosedError: the pool is closed.
+        """
+        need = sum(sizes)
+        if self.max_bytes is not None and need > self.max_bytes:
+            raise CapacityError(
+                f"staging needs {need:,} bytes but max_staging_bytes is {self.max_bytes:,}; "
+                "raise the cap or stage the state_dict in parts"
+            )
+        self._check_open()
+        started = time.perf_counter()
+        ticket = object()
+        self._queue.append(ticket)
+        try:
+            while True:
+                self._check_open()
+                if self._queue[0] is ticket:
+                    self.reclaim()
+                    got = self._take(sizes)
+                    if got is not None:
+                        break
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                with anyio.move_on_after(RECLAIM_POLL_SECONDS):
+                    await self._changed.wait()
+        finally:
+            self._queue.remove(ticket)
+            self._notify()  # the next in line may fit now
+        taken, missing = got
+        waited = time.perf_counter() - started
+        try:
+            fresh = await self._allocate([n for n, b in zip(sizes, taken, strict=True) if b is None], limiter)
+        except BaseException:
+            self._reserved -= missing
+            self.give_back(Lease([b for b in taken if b is not None], 0, 0, 0.0))
+            raise
+        self._reserved -= missing
+        self._allocated_ever += missing
+        fresh_iter = iter(fresh)
+        buffers = []
+        for b in taken:
+            if b is None:
+                b = next(fresh_iter)
+                self._leased.add(id(b))
+                self._leased_bytes += b.nbytes
+            buffers.append(b)
+        reused = len(sizes) - len(fresh)
+        if waited > 0.001:
+            log.debug("waited %.3fs for %d staging bytes", waited, need)
+        return Lease(buffers, missing, reused, waited)
+
+    async def _allocate(self, sizes: list[int], limiter: anyio.CapacityLimiter | None) -> list[Buffer]:
+        if not sizes:
+            return []
+        kind = self.kind
+
+        def batch(chunk: list[int]) -> list[Buffer]:
+            return [Buffer(allocate_storage(n, kind), n) for n in chunk]
+
+        if self._inline:
+            return batch(sizes)
+        out: list[Buffer] = []
+        chunk: list[int] = []
+        chunk_bytes = 0
+        for n in sizes:
+            chunk.append(n)
+            chunk_bytes += n
+            if chunk_bytes >= ALLOC_BATCH_BYTES:
+                out.extend(await anyio.to_thread.run_sync(batch, chunk, limiter=limiter))
+                chunk, chunk_bytes = [], 0
+        if chunk:
+            out.extend(await anyio.to_thread.run_sync(batch, chunk, limiter=limiter))
+        return out
+
+    # -- returning ------------------------------------------------------------------------
+
+    def _unlease(self, buf: Buffer) -> bool:
+        if id(buf) not in self._leased:
+            return False
+        self._leased.discard(id(buf))
+        self._leased_bytes -= buf.nbytes
+        return True
+
+    def give_back(self, lease: Lease) -> None:
+        """Return a lease that was never handed out (nothing can still write into it)."""
+        for buf in lease.buffers:
+            if self._unlease(buf):
+                self._free_push(buf)
+        lease.buffers = []
+        self._notify()
+
+    def hand_out(self, lease: Lease) -> None:
+        """Mark a lease as owned by a caller: its buffers come back once unreferenced."""
+        for buf in lease.buffers:
+            if self._unlease(buf) and not self._closed:
+                self._out[id(buf)] = buf
+                self._out_bytes += buf.nbytes
+        lease.buffers = []
+
+    def handed_out_storages(self) -> set[int]:
+        """Identities (``_cdata``) of the storages currently handed out to callers."""
+        return {buf.storage._cdata for buf in self._out.values()}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the staging buffer pool is closed")
+
+    async def aclose(self) -> None:
+        """Drop every idle buffer and forget handed-out ones; idempotent.
+
+        Buffers still referenced by staged copies are freed when those copies are dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._free.clear()
+        self._free_bytes = 0
+        self._out.clear()
+        self._out_bytes = 0
+        self._notify()

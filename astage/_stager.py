@@ -1,0 +1,324 @@
+"""Stagers: make a training-safe CPU copy of a state_dict without blocking the event loop.
+
+:class:`DefaultStager` carries out a plan (``_plan``) with buffers from a pool (``_pool``)
+and copies (``_copy``) that run in worker threads or on a device side stream awaited
+through ``_events``.  :class:`BlockingStager` is the same machinery configured like torch's
+``BlockingAsyncStager``.
+
+Invariants:
+
+* ``stage()`` returns a copy that later changes to the source never reach, and that the
+  stager never overwrites while anything references it.
+* Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
+  buffer is back in the pool before it returns, and no thread or device copy still writes
+  into it.  The stager stays usable.
+* ``aclose()`` is idempotent, waits for in-flight stages and releases every idle buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import anyio
+import torch
+
+from ._copy import Batch, copy_in_threads, enqueue_device_copies, iter_batches, iter_pairs, run_batch
+from ._errors import ClosedError
+from ._events import Strategy, wait_event
+from ._options import ResolvedOptions, StagingOptions
+from ._plan import PlannedSource, StagePlan, iter_plan, iter_rebuild, make_tensor
+from ._pool import BufferKind, BufferPool, Lease, PoolStats
+from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps
+
+log = logging.getLogger("astage.stager")
+
+
+@runtime_checkable
+class AsyncStager(Protocol):
+    """What every astage stager offers: an awaitable ``stage`` and async closing."""
+
+    async def stage(self, state_dict: Any) -> Any:
+        """Return a staged copy of ``state_dict`` that later changes to it never reach."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release every resource; idempotent."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StageStats:
+    """What one ``stage()`` did.
+
+    :ivar tensors: distinct tensors staged.
+    :ivar storages: distinct storages copied (shared storages count once).
+    :ivar bytes: bytes copied.
+    :ivar bytes_allocated: bytes of new buffers this stage had to allocate (0 on reuse).
+    :ivar reused_buffers: buffers taken from the pool instead of allocated.
+    :ivar seconds: wall time of the whole ``stage()``.
+    :ivar wait_seconds: part of ``seconds`` spent waiting for room under the memory cap.
+    """
+
+    tensors: int
+    storages: int
+    bytes: int
+    bytes_allocated: int
+    reused_buffers: int
+    seconds: float
+    wait_seconds: float
+
+    @property
+    def gbps(self) -> float:
+        """Copy throughput in GB/s (10^9 bytes per second) over the whole stage."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class DefaultStager:
+    """Stage state_dicts into pooled CPU buffers; the asyncio/anyio-native ``DefaultStager``.
+
+    ::
+
+        async with astage.DefaultStager(astage.StagingOptions()) as stager:
+            staged = await stager.stage(model.state_dict())
+            ...                          # persist or send `staged`; training goes on
+            await stager.release(staged)  # optional: buffers come back for the next stage
+
+    :param options: staging switches and memory cap; defaults work on every machine.
+    :param threads: worker threads for CPU copies and buffer allocation.
+    :param event_strategy: how device events are awaited (``"poll"`` or ``"thread"``).
+    :raises ConfigurationError: an option cannot work on this machine.
+    """
+
+    def __init__(
+        self,
+        options: StagingOptions | None = None,
+        *,
+        threads: int = 2,
+        event_strategy: Strategy = "poll",
+        _strict: bool = False,
+        _retain_buffers: bool = True,
+    ) -> None:
+        self.options = options if options is not None else StagingOptions()
+        self._resolved: ResolvedOptions = self.options.resolve()
+        r = self._resolved
+        self._threads = threads
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._event_strategy: Strategy = event_strategy
+        self._strict = _strict
+        self._pool = BufferPool(
+            BufferKind.of(pinned=r.pinned, shared=r.shared),
+            max_bytes=r.max_bytes,
+            retain=_retain_buffers,
+            allocate_inline=not r.async_copy,
+        )
+        # Created here, on the constructing thread, after the caller's device setup, so it is
+        # never the compute stream.
+        self._side_stream: Any = torch.Stream() if r.non_blocking else None
+        self._inflight = 0
+        self._idle: anyio.Event | None = None
+        self._closed = False
+        self.last_stats: StageStats | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    async def aclose(self) -> None:
+        """Wait for in-flight stages, then release every idle buffer; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            while self._inflight:
+                self._idle = self._idle or anyio.Event()
+                await self._idle.wait()
+            await self._pool.aclose()
+
+    def pool_stats(self) -> PoolStats:
+        """Memory held by this stager's buffer pool."""
+        return self._pool.stats()
+
+    # -- staging --------------------------------------------------------------------------
+
+    async def stage(self, state_dict: Any) -> Any:
+        """Return a CPU copy of ``state_dict`` that later changes to the source never reach.
+
+        The tree is rebuilt with the same structure; tensors that shared a storage share
+        one in the copy.  Records :attr:`last_stats`.
+
+        :raises UnsupportedInputError: a value cannot be staged (names its key path).
+        :raises CapacityError: the state_dict alone is larger than ``max_staging_bytes``.
+        :raises ClosedError: the stager was closed.
+        """
+        if self._closed:
+            raise ClosedError("stage() called on a closed stager")
+        self._inflight += 1
+        try:
+            return await self._stage(state_dict)
+        finally:
+            self._inflight -= 1
+            if not self._inflight and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _run(self, steps: Steps[Any]) -> Any:
+        return await run_steps(steps) if self._resolved.async_copy else drive(steps)
+
+    async def _stage(self, state_dict: Any) -> Any:
+        started = clock()
+        source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
+        plan = source.plan
+        if self._resolved.async_copy and self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self._threads)
+        lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
+        handed_out = False
+        try:
+            staged_locals: list[torch.Tensor] = await self._run(_iter_locals(plan, lease.storages))
+            pairs = await self._run(iter_pairs(source, lease.storages, staged_locals))
+            host = [p for p in pairs if p[1].device.type == "cpu"]
+            device = [p for p in pairs if p[1].device.type != "cpu"]
+            if device:
+                await self._copy_from_device(await self._run(iter_batches(device)))
+            if host:
+                await self._copy_from_host(await self._run(iter_batches(host)))
+            staged = await self._run(iter_rebuild(plan, staged_locals.__getitem__))
+            self._pool.hand_out(lease)
+            handed_out = True
+        finally:
+            if not handed_out:
+                self._pool.give_back(lease)
+        self._record(plan, lease, clock() - started)
+        return staged
+
+    async def _copy_from_host(self, plan_batches: Sequence[Batch]) -> None:
+        if self._resolved.async_copy:
+            await copy_in_threads(plan_batches, self._limiter)
+        else:
+            for batch in plan_batches:
+                run_batch(batch)
+
+    async def _copy_from_device(self, plan_batches: Sequence[Batch]) -> None:
+        side = self._side_stream
+        if side is None:  # blocking device copies, off the loop unless staging is inline
+            await self._copy_from_host(plan_batches)
+            return
+        compute = torch.accelerator.current_stream()  # the caller's stream, on the loop thread
+        try:
+            if self._resolved.async_copy:
+                event = await anyio.to_thread.run_sync(
+                    enqueue_device_copies, [plan_batches], side, compute, limiter=self._limiter
+                )
+            else:
+                event = enqueue_device_copies([plan_batches], side, compute)
+            await wait_event(event, strategy=self._event_strategy)
+        except BaseException:
+            # Copies may still be in flight into the leased buffers: wait for all of them
+            # before the caller hands the buffers back.
+            with anyio.CancelScope(shield=True):
+                await wait_event(side.record_event(), strategy=self._event_strategy)
+            raise
+
+    def _record(self, plan: StagePlan, lease: Lease, seconds: float) -> None:
+        stats = StageStats(
+            tensors=len(plan.tensors),
+            storages=len(plan.storages),
+            bytes=plan.nbytes,
+            bytes_allocated=lease.allocated_bytes,
+            reused_buffers=lease.reused_buffers,
+            seconds=seconds,
+            wait_seconds=lease.wait_seconds,
+        )
+        self.last_stats = stats
+        log.debug(
+            "staged %d tensors (%d storages, %d bytes, %d newly allocated) in %.4fs, %.2f GB/s",
+            stats.tensors,
+            stats.storages,
+            stats.bytes,
+            stats.bytes_allocated,
+            stats.seconds,
+            stats.gbps,
+        )
+
+    # -- releasing ------------------------------------------------------------------------
+
+    async def release(self, staged: Any) -> None:
+        """Give a staged copy's buffers back for reuse.
+
+        The copy's tensors are emptied (``set_()``), so a stale reference can never observe
+        a later checkpoint.  Buffers also come back on their own once every reference to the
+        copy is dropped; this only makes it immediate.
+
+        :raises UnsupportedInputError: ``staged`` is not a tree of tensors.
+        """
+        source: PlannedSource = await run_steps(iter_plan(staged))
+        ours = self._pool.handed_out_storages()
+        with torch.no_grad():
+            for tensor in source.tensors:
+                if tensor.untyped_storage()._cdata in ours:
+                    tensor.set_()  # type: ignore[call-overload]
+        del source
+        self._pool.reclaim()
+
+
+def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
+    """The plain staged tensor of every planned tensor, in time slices."""
+    out: list[torch.Tensor] = []
+    deadline = clock() + SLICE_SECONDS
+    for spec in plan.tensors:
+        out.append(make_tensor(spec, storages[spec.storage]))
+        if clock() > deadline:
+            yield
+            deadline = clock() + SLICE_SECONDS
+    return out
+
+
+class BlockingStager(DefaultStager):
+    """Stage inline on the calling thread, like torch's ``BlockingAsyncStager``.
+
+    The same machinery as :class:`DefaultStager`, configured for blocking copies.
+
+    :param cache_staged_state_dict: keep staging buffers (pinned where an accelerator is)
+        for reuse by the next stage; a copy the caller still holds is never overwritten.
+    :param type_check: reject leaves that are not tensors, containers or plain values
+        instead of deep-copying them.
+    """
+
+    def __init__(self, cache_staged_state_dict: bool = False, type_check: bool = False) -> None:
+        super().__init__(
+            StagingOptions(
+                use_pinned_memory=None if cache_staged_state_dict else False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            ),
+            _strict=type_check,
+            _retain_buffers=cache_staged_state_dict,
+        )
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.type_check = type_check
