@@ -74,7 +74,7 @@ def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
     state_dict of tens of thousands of tensors cannot exhaust descriptors.
     """
     if kind in (BufferKind.SHARED, BufferKind.SHARED_PINNED):
-        storage = torch.UntypedStorage._new_shared_filename_cpu(nbytes)  # type: ignore[call-arg]
+        storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)
         if kind is BufferKind.SHARED_PINNED and nbytes:
             _pin_shared(storage)
     else:

@@ -1,0 +1,147 @@
+"""The buffer pool on its own: reuse, caps, FIFO fairness, closing, buffer kinds."""
+
+from __future__ import annotations
+
+import gc
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from astage import BufferKind, BufferPool, CapacityError, ClosedError
+
+pytestmark = pytest.mark.anyio
+
+
+def hold(lease_storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
+    """What a staged copy does: tensors viewing the leased storages."""
+    return [torch.empty(0, dtype=torch.uint8).set_(s) for s in lease_storages]
+
+
+async def test_buffers_of_a_given_back_lease_are_reused() -> None:
+    pool = BufferPool()
+    lease = await pool.acquire([100, 200])
+    storages = [s.data_ptr() for s in lease.storages]
+    pool.give_back(lease)
+    again = await pool.acquire([200, 100])
+    assert again.allocated_bytes == 0
+    assert sorted(s.data_ptr() for s in again.storages) == sorted(storages)
+    assert [s.nbytes() for s in again.storages] == [200, 100]
+
+
+async def test_handed_out_buffers_come_back_only_when_unreferenced() -> None:
+    pool = BufferPool()
+    lease = await pool.acquire([64])
+    views = hold(lease.storages)
+    pool.hand_out(lease)
+    del lease
+    assert pool.reclaim() == 0
+    assert pool.stats().handed_out_bytes == 64
+    del views
+    gc.collect()
+    assert pool.reclaim() == 64
+    assert pool.stats().free_bytes == 64
+
+
+async def test_a_storage_object_held_by_a_caller_counts_as_a_reference() -> None:
+    pool = BufferPool()
+    lease = await pool.acquire([32])
+    storage = lease.storages[0]
+    pool.hand_out(lease)
+    del lease
+    assert pool.reclaim() == 0
+    del storage
+    assert pool.reclaim() == 32
+
+
+async def test_new_buffers_are_prefaulted_and_zeroed() -> None:
+    pool = BufferPool()
+    lease = await pool.acquire([1 << 20])
+    assert torch.count_nonzero(hold(lease.storages)[0]).item() == 0
+
+
+async def test_waiters_are_served_first_in_first_out() -> None:
+    pool = BufferPool(max_bytes=100)
+    first = await pool.acquire([60, 40])  # later leases reuse these: no allocation awaits
+    order: list[int] = []
+
+    async def waiter(i: int) -> None:
+        lease = await pool.acquire([60 if i % 2 else 40])
+        order.append(i)
+        await anyio.sleep(0.001)
+        pool.give_back(lease)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(6):
+            tg.start_soon(waiter, i)
+            await anyio.sleep(0.002)  # queue them in a known order
+        assert pool.stats().waiters == 6
+        pool.give_back(first)
+    assert order == list(range(6))
+    assert pool.stats().total_bytes <= 100
+
+
+async def test_idle_buffers_of_other_sizes_are_evicted_to_make_room() -> None:
+    pool = BufferPool(max_bytes=100)
+    pool.give_back(await pool.acquire([30, 30, 30]))
+    assert pool.stats().free_bytes == 90
+    lease = await pool.acquire([70])
+    assert pool.stats().total_bytes <= 100
+    assert lease.allocated_bytes == 70
+
+
+async def test_an_oversized_request_fails_without_waiting() -> None:
+    pool = BufferPool(max_bytes=100)
+    with anyio.fail_after(1), pytest.raises(CapacityError):
+        await pool.acquire([60, 60])
+
+
+async def test_cancelled_waiter_leaves_the_queue_and_the_books_balanced() -> None:
+    pool = BufferPool(max_bytes=100)
+    lease = await pool.acquire([100])
+    with anyio.move_on_after(0.05):
+        await pool.acquire([50])
+    stats = pool.stats()
+    assert stats.waiters == 0
+    assert stats.total_bytes == stats.leased_bytes == 100
+    pool.give_back(lease)
+    assert (await pool.acquire([50])).allocated_bytes == 50
+
+
+async def test_closing_wakes_waiters_with_a_closed_error() -> None:
+    pool = BufferPool(max_bytes=10)
+    await pool.acquire([10])
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await pool.acquire([10])
+        except ClosedError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(0.01)
+        await pool.aclose()
+        await pool.aclose()
+    assert len(errors) == 1
+
+
+async def test_retain_false_frees_buffers_on_return() -> None:
+    pool = BufferPool(retain=False)
+    pool.give_back(await pool.acquire([10]))
+    assert pool.stats().total_bytes == 0
+
+
+async def test_shared_buffers_are_in_shared_memory() -> None:
+    pool = BufferPool(BufferKind.SHARED)
+    lease = await pool.acquire([4096, 8])
+    assert all(s.is_shared() for s in lease.storages)
+
+
+@pytest.mark.gpu
+async def test_pinned_buffers_are_page_locked() -> None:
+    pool = BufferPool(BufferKind.PINNED)
+    lease = await pool.acquire([1 << 20])
+    assert lease.storages[0].is_pinned()
