@@ -25,7 +25,7 @@ import enum
 import fractions
 import types
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
 
@@ -36,6 +36,8 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
+
+_CPU = torch.device("cpu")
 
 _ATOMS: frozenset[type] = frozenset(
     {
@@ -72,16 +74,18 @@ class TensorKind(enum.Enum):
     DTENSOR = "dtensor"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StorageSpec:
+# Specs and leaf nodes are NamedTuples, not frozen dataclasses: a plan holds one per tensor,
+# and a NamedTuple is built ~8x faster, which matters for state_dicts of 20,000 tensors.
+
+
+class StorageSpec(NamedTuple):
     """One distinct source storage: its byte size and device."""
 
     nbytes: int
     device: torch.device
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """One distinct source tensor: how to view its staged storage and what to rebuild."""
 
     key_path: KeyPath
@@ -101,8 +105,7 @@ class TensorSpec:
 # -- tree nodes ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AtomNode:
+class AtomNode(NamedTuple):
     """An immutable leaf, kept by reference."""
 
     value: Any
@@ -115,8 +118,7 @@ class CopyNode:
     value: Any
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TensorNode:
+class TensorNode(NamedTuple):
     """A tensor leaf: index into :attr:`StagePlan.tensors`."""
 
     index: int
@@ -330,39 +332,47 @@ class _Planner:
             raise UnsupportedInputError(
                 path, f"tensor subclass {cls.__qualname__} is not supported (only Tensor, Parameter, DTensor)"
             )
-        self._check_tensor(local, path)
+        if local.layout is not torch.strided or local.is_nested or local.is_quantized or local.is_meta:
+            self._reject(local, path)
+        device = _CPU if local.is_cpu else local.device
+        if device.type not in self.allowed_devices:
+            raise UnsupportedInputError(
+                path,
+                f"device {device} is not supported here (expected one of {sorted(self.allowed_devices)})",
+            )
         storage = local.untyped_storage()
         key = storage._cdata
         sidx = self.storage_index.get(key)
         if sidx is None:
             sidx = len(self.storages)
             self.storage_index[key] = sidx
-            self.storages.append(StorageSpec(storage.nbytes(), local.device))
+            self.storages.append(StorageSpec(storage.nbytes(), device))
             self.storage_objs.append(storage)
-        attrs = getattr(x, "__dict__", None)
+        attrs = x.__dict__
         attr_node = drive(self.walk(attrs, (*path, Attr("__dict__")))) if attrs else None
-        spec = TensorSpec(
-            key_path=path,
-            storage=sidx,
-            dtype=local.dtype,
-            size=tuple(local.size()),
-            stride=local.stride(),
-            offset=int(local.storage_offset()),
-            kind=kind,
-            requires_grad=x.requires_grad,
-            conj=local.is_conj(),
-            neg=local.is_neg(),
-            attrs=attr_node,
-            dtensor_spec=dtensor_spec,
-        )
         index = len(self.tensors)
-        self.tensors.append(spec)
+        self.tensors.append(
+            TensorSpec(
+                path,
+                sidx,
+                local.dtype,
+                local.shape,
+                local.stride(),
+                local.storage_offset(),
+                kind,
+                x.requires_grad,
+                local.is_complex() and local.is_conj(),
+                local.is_neg(),
+                attr_node,
+                dtensor_spec,
+            )
+        )
         self.sources.append(local)
         self.tensor_index[id(x)] = index
         self.keepalive.append(x)
         return TensorNode(index)
 
-    def _check_tensor(self, t: torch.Tensor, path: KeyPath) -> None:
+    def _reject(self, t: torch.Tensor, path: KeyPath) -> NoReturn:
         if t.is_meta:
             raise UnsupportedInputError(path, "meta tensors have no data to stage")
         if t.is_nested:
@@ -371,13 +381,25 @@ class _Planner:
             raise UnsupportedInputError(
                 path, f"layout {t.layout} is not supported (only dense strided tensors)"
             )
-        if t.is_quantized:
-            raise UnsupportedInputError(path, "quantized tensors are not supported")
-        if t.device.type not in self.allowed_devices:
-            raise UnsupportedInputError(
-                path,
-                f"device {t.device} is not supported here (expected one of {sorted(self.allowed_devices)})",
-            )
+        raise UnsupportedInputError(path, "quantized tensors are not supported")
+
+
+class _Collector(_Planner):
+    """A planner that only gathers the tree's tensors (plain or local), no specs."""
+
+    def new_tensor(self, x: torch.Tensor, path: KeyPath) -> TensorNode:
+        index = len(self.sources)
+        self.sources.append(x._local_tensor if DTensor is not None and type(x) is DTensor else x)  # type: ignore[attr-defined]
+        self.tensor_index[id(x)] = index
+        self.keepalive.append(x)
+        return TensorNode(index)
+
+
+def iter_tensors(tree: Any) -> Steps[list[torch.Tensor]]:
+    """Every distinct tensor in ``tree`` (DTensors as their local tensor), in time slices."""
+    collector = _Collector(strict=False, allowed_devices=frozenset())
+    yield from collector.walk(tree, ())
+    return collector.sources
 
 
 def supported_devices() -> frozenset[str]:

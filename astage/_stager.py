@@ -30,7 +30,7 @@ from ._copy import Batch, copy_in_threads, enqueue_device_copies, iter_batches, 
 from ._errors import ClosedError
 from ._events import Strategy, wait_event
 from ._options import ResolvedOptions, StagingOptions
-from ._plan import PlannedSource, StagePlan, iter_plan, iter_rebuild, make_tensor
+from ._plan import PlannedSource, StagePlan, iter_plan, iter_rebuild, iter_tensors, make_tensor
 from ._pool import BufferKind, BufferPool, Lease, PoolStats
 from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps
 
@@ -277,13 +277,13 @@ class DefaultStager:
 
         :raises UnsupportedInputError: ``staged`` is not a tree of tensors.
         """
-        source: PlannedSource = await run_steps(iter_plan(staged))
+        tensors: list[torch.Tensor] = await run_steps(iter_tensors(staged))
         ours = self._pool.handed_out_storages()
         with torch.no_grad():
-            for tensor in source.tensors:
+            for tensor in tensors:
                 if tensor.untyped_storage()._cdata in ours:
                     tensor.set_()  # type: ignore[call-overload]
-        del source
+        del tensors
         self._pool.reclaim()
 
 
