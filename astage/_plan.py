@@ -119,9 +119,9 @@ class CopyNode:
 
 
 class TensorNode(NamedTuple):
-    """A tensor leaf: index into :attr:`StagePlan.tensors`."""
+    """A tensor leaf: position in :attr:`StagePlan.tensors`."""
 
-    index: int
+    position: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -358,7 +358,7 @@ class _Planner:
                 local.dtype,
                 local.shape,
                 local.stride(),
-                local.storage_offset(),
+                int(local.storage_offset()),
                 kind,
                 x.requires_grad,
                 local.is_complex() and local.is_conj(),
@@ -389,7 +389,7 @@ class _Collector(_Planner):
 
     def new_tensor(self, x: torch.Tensor, path: KeyPath) -> TensorNode:
         index = len(self.sources)
-        self.sources.append(x._local_tensor if DTensor is not None and type(x) is DTensor else x)  # type: ignore[attr-defined]
+        self.sources.append(x._local_tensor if DTensor is not None and type(x) is DTensor else x)
         self.tensor_index[id(x)] = index
         self.keepalive.append(x)
         return TensorNode(index)
@@ -493,7 +493,7 @@ class _Rebuilder:
         append = out.append
         for n in nodes:
             if type(n) is TensorNode:
-                append(self.tensor(n.index))
+                append(self.tensor(n.position))
             elif type(n) is AtomNode:
                 append(n.value)
             else:
