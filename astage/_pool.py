@@ -19,13 +19,17 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import enum
+import functools
 import logging
+import mmap
 import sys
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import torch
@@ -66,6 +70,42 @@ def _pin_shared(storage: torch.UntypedStorage) -> None:
     weakref.finalize(storage, cudart.cudaHostUnregister, ptr).atexit = False
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+@functools.cache
+def _madvise() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def prefault(storage: torch.UntypedStorage) -> None:
+    """Make every page of ``storage`` resident now (blocking: call from a worker thread).
+
+    ``madvise(MADV_POPULATE_WRITE)`` faults the pages in bulk, which costs no more than the
+    faults a first copy would take one page at a time; where the kernel lacks it, the
+    buffer is written with zeros instead.
+    """
+    nbytes = storage.nbytes()
+    ptr = storage.data_ptr()
+    page = mmap.PAGESIZE
+    start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
+    fn = _madvise()
+    if fn is not None and end > start and fn(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        # The partial pages at both ends are few; touch them through a tiny write.
+        view = torch.empty(0, dtype=torch.uint8).set_(storage)
+        view[: start - ptr].zero_()
+        view[end - ptr :].zero_()
+        return
+    torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
+
+
 def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
     """Allocate one CPU storage of ``kind`` and touch every page (pre-fault).
 
@@ -81,7 +121,7 @@ def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
         pin = kind is BufferKind.PINNED
         storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
     if nbytes and kind is not BufferKind.PINNED:  # page-locked memory is resident already
-        torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
+        prefault(storage)
     return storage
 
 
