@@ -16,6 +16,11 @@ from ._errors import TransportError as TransportError
 from ._errors import UnsupportedInputError as UnsupportedInputError
 from ._events import wait_event as wait_event
 from ._options import StagingOptions as StagingOptions
+from ._persist import ReplicaInfo as ReplicaInfo
+from ._persist import find_replicas as find_replicas
+from ._persist import load_replica as load_replica
+from ._persist import load_replica_sync as load_replica_sync
+from ._persist import sweep_stale_temps as sweep_stale_temps
 from ._pool import BufferKind as BufferKind
 from ._pool import BufferPool as BufferPool
 from ._pool import PoolStats as PoolStats
@@ -40,11 +45,16 @@ __all__ = [
     "PeerTimeoutError",
     "PersistError",
     "PoolStats",
+    "ReplicaInfo",
     "ResourceError",
     "StageStats",
     "StagingOptions",
     "TransportError",
     "UnsupportedInputError",
     "__version__",
+    "find_replicas",
+    "load_replica",
+    "load_replica_sync",
+    "sweep_stale_temps",
     "wait_event",
 ]

@@ -1,0 +1,796 @@
+"""The replica format: one safe byte layout for the wire and the disk, pure.
+
+A replica is a staged state_dict as bytes::
+
+    MAGIC (8) | version u32 LE | header_len u64 LE | header JSON (header_len bytes, UTF-8)
+    | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
+
+The body holds each distinct storage's raw bytes once, in plan order, each segment starting
+at the first 64-byte boundary after the previous one, gaps zero, nothing after the last.
+The header says how to view those storages as tensors and how to rebuild the tree.  See
+``docs/format.md`` for the schema.
+
+This module touches no file, socket or thread; it turns a staged tree into
+:class:`Encoded` (a prefix plus byte ranges) and a prefix plus body back into a tree.
+
+Invariants:
+
+* No pickle, ``torch.load``, ``eval`` or import by name: the header is JSON, dtypes come from
+  an explicit allow-list, namedtuples are rebuilt with :func:`collections.namedtuple`.
+* Decoding trusts nothing.  Lengths are checked against :data:`HEADER_CAP` and against the
+  bytes at hand before anything is allocated; the header is checksummed and its schema
+  checked strictly (types, ranges, indices, layout, every tensor inside its storage);
+  every storage's crc32c is verified before any tensor is returned.  Each violation raises
+  :class:`IntegrityError`; a wrong tensor is never returned.
+* Encoding is faithful or fails: aliasing and object identity survive the round trip, and a
+  value the format cannot hold raises :class:`UnsupportedInputError` naming its key path.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import struct
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple
+
+import crc32c
+import torch
+
+from ._errors import Attr, ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError, format_key_path
+from ._plan import (
+    AtomNode,
+    CopyNode,
+    DictNode,
+    Node,
+    ObjectNode,
+    RefNode,
+    SeqNode,
+    StagePlan,
+    StorageSpec,
+    TensorKind,
+    TensorNode,
+    TensorSpec,
+    plan_state_dict,
+    rebuild,
+)
+
+MAGIC: Final = b"ASTAGE\x00R"
+"""First 8 bytes of every replica."""
+
+FORMAT_VERSION: Final = 1
+"""The only layout version this module reads and writes."""
+
+ALIGNMENT: Final = 64
+"""Prefix length and every body segment offset are multiples of this."""
+
+HEADER_CAP: Final = 64 << 20
+"""Largest header JSON accepted (and produced), checked before anything is allocated."""
+
+FIXED_PREFIX_NBYTES: Final = 20
+"""Magic, version and header length: what must be read first to learn the prefix length."""
+
+MAX_DEPTH: Final = 128
+"""Deepest container nesting accepted in the tree."""
+
+MAX_NDIM: Final = 64
+"""Most dimensions accepted for one tensor."""
+
+_FIXED = struct.Struct("<8sIQ")
+_CRC = struct.Struct("<I")
+_ZEROS = bytes(ALIGNMENT)
+_INT64 = 1 << 63
+_RANK_LIMIT = 1 << 31
+_ID_CAP = 4096
+_INT_BITS_CAP = 13_000  # below CPython's 4300-digit int/str conversion limit
+
+DTYPES: Final[Mapping[str, torch.dtype]] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+    "float4_e2m1fn_x2": torch.float4_e2m1fn_x2,
+}
+"""The dtype allow-list: header names to torch dtypes.  Nothing else is read or written."""
+
+_DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
+_KINDS: Final = {"tensor": TensorKind.TENSOR, "parameter": TensorKind.PARAMETER}
+_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_SCALARS: Final = (type(None), bool, int, float, str)
+_CPU: Final = torch.device("cpu")
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    """Where one storage's bytes lie in the body, and their crc32c."""
+
+    offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DTensorNote:
+    """What a DTensor was; decoding returns only its local shard, as a plain tensor."""
+
+    placements: str
+    global_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaHeader:
+    """A validated replica header.
+
+    :ivar owner_rank: the rank whose state this is.
+    :ivar holder_rank: the rank that keeps this copy, where the encoder said so.
+    :ivar step: the training step the state belongs to.
+    :ivar checkpoint_id: the caller's name for this checkpoint.
+    :ivar created: when it was encoded (seconds since the epoch, the owner's clock).
+    :ivar body_nbytes: length of the body that follows the prefix.
+    :ivar prefix_nbytes: length of everything before the body.
+    :ivar segments: one per distinct storage, in body order.
+    :ivar plan: how to view the storages as tensors and rebuild the tree.
+    :ivar dtensors: per planned tensor, what DTensor it was (``None`` for plain tensors).
+    """
+
+    owner_rank: int
+    holder_rank: int | None
+    step: int
+    checkpoint_id: str
+    created: float
+    body_nbytes: int
+    prefix_nbytes: int
+    segments: tuple[Segment, ...]
+    plan: StagePlan
+    dtensors: tuple[DTensorNote | None, ...]
+    version: int = FORMAT_VERSION
+
+    @property
+    def num_tensors(self) -> int:
+        """Distinct tensors in the replica (a tensor referenced twice counts once)."""
+        return len(self.plan.tensors)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Length of the whole replica: prefix plus body."""
+        return self.prefix_nbytes + self.body_nbytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Encoded:
+    """A staged state_dict laid out as a replica, ready to write or send.
+
+    :ivar header: the header, exactly as a reader will parse it.
+    :ivar prefix: every byte before the body.
+    :ivar segments: ``(body offset, uint8 CPU tensor)`` per storage, viewing the staged
+        storages themselves (nothing is copied); the bytes between them are zero.
+    """
+
+    header: ReplicaHeader
+    prefix: bytes
+    segments: tuple[tuple[int, torch.Tensor], ...]
+
+    @property
+    def body_nbytes(self) -> int:
+        """Length of the body."""
+        return self.header.body_nbytes
+
+    @property
+    def total_nbytes(self) -> int:
+        """Length of the whole replica."""
+        return self.header.total_nbytes
+
+    def buffers(self, chunk_nbytes: int = 16 << 20) -> Iterator[memoryview]:
+        """The whole replica, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
+
+        Views alias the staged storages: they stay valid while those are not changed.
+        """
+        if chunk_nbytes <= 0:
+            raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
+        for view in self._pieces():
+            for start in range(0, len(view), chunk_nbytes):
+                yield view[start : start + chunk_nbytes]
+
+    def _pieces(self) -> Iterator[memoryview]:
+        yield memoryview(self.prefix)
+        end = 0
+        for offset, tensor in self.segments:
+            if offset > end:
+                yield memoryview(_ZEROS)[: offset - end]
+            view = byte_view(tensor)
+            yield view
+            end = offset + len(view)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A memoryview of a contiguous 1-D uint8 CPU tensor's bytes (no copy)."""
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous() or tensor.is_cuda:
+        raise ConfigurationError("byte_view needs a contiguous 1-D uint8 CPU tensor")
+    return tensor.numpy().data
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+# -- encoding -----------------------------------------------------------------------------
+
+
+def encode(
+    staged_state_dict: Any,
+    *,
+    owner_rank: int,
+    step: int,
+    checkpoint_id: str,
+    holder_rank: int | None = None,
+    created: float | None = None,
+) -> Encoded:
+    """Lay out a staged (CPU) state_dict as a replica.
+
+    Checksums every storage: CPU-bound, releases the GIL on large buffers; async callers
+    run it in a worker thread.  The result views the staged storages, so they must not
+    change until the replica is written or sent.
+
+    :param created: timestamp to record; default now.
+    :raises UnsupportedInputError: a value the format cannot hold (names its key path), a
+        tensor not on the CPU, or a header over :data:`HEADER_CAP`.
+    :raises ConfigurationError: a rank, step or id out of range.
+    """
+    created = float(time.time() if created is None else created)
+    _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
+    source = plan_state_dict(staged_state_dict, strict=True, allowed_devices=frozenset({"cpu"}))
+    plan = source.plan
+    tree = _TreeEncoder(plan).node(plan.root, (), 0)
+    tensors = [_tensor_entry(spec) for spec in plan.tensors]
+    segments: list[tuple[int, torch.Tensor]] = []
+    storage_entries = []
+    end = 0
+    for storage in source.storages:
+        offset = _align(end)
+        data = _storage_bytes(storage)
+        segments.append((offset, data))
+        storage_entries.append([offset, data.numel(), crc32c.crc32c(byte_view(data))])
+        end = offset + data.numel()
+    doc = {
+        "format": FORMAT_VERSION,
+        "owner_rank": owner_rank,
+        "holder_rank": holder_rank,
+        "step": step,
+        "checkpoint_id": checkpoint_id,
+        "created": created,
+        "body_nbytes": end,
+        "storages": storage_entries,
+        "tensors": tensors,
+        "tree": tree,
+    }
+    prefix = _prefix_bytes(json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")))
+    # The header handed back is built by the reader's own checks from the same document.
+    return Encoded(_HeaderParser(len(prefix)).parse(doc), prefix, tuple(segments))
+
+
+def _check_meta(
+    owner_rank: int, holder_rank: int | None, step: int, checkpoint_id: str, created: float
+) -> None:
+    ranks = (
+        {"owner_rank": owner_rank}
+        if holder_rank is None
+        else {"owner_rank": owner_rank, "holder_rank": holder_rank}
+    )
+    for name, rank in ranks.items():
+        if type(rank) is not int or not 0 <= rank < _RANK_LIMIT:
+            raise ConfigurationError(f"{name} must be an int in [0, 2**31), got {rank!r}")
+    if type(step) is not int or not -_INT64 <= step < _INT64:
+        raise ConfigurationError(f"step must be a 64-bit int, got {step!r}")
+    if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
+        raise ConfigurationError(f"checkpoint_id must be a str of at most {_ID_CAP} characters")
+    if not math.isfinite(created):
+        raise ConfigurationError(f"created must be a finite timestamp, got {created!r}")
+
+
+def _prefix_bytes(header_json: str) -> bytes:
+    body = header_json.encode("ascii")
+    if len(body) > HEADER_CAP:
+        raise UnsupportedInputError(
+            (), f"the replica header would be {len(body)} bytes, over the {HEADER_CAP}-byte cap"
+        )
+    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    head += _CRC.pack(crc32c.crc32c(head))
+    return head + bytes(_align(len(head)) - len(head))
+
+
+def _tensor_entry(spec: TensorSpec) -> list[Any]:
+    entry = [
+        spec.storage,
+        _DTYPE_NAMES[spec.dtype],
+        list(spec.size),
+        list(spec.stride),
+        spec.offset,
+        "parameter" if spec.kind is TensorKind.PARAMETER else "tensor",
+        spec.requires_grad,
+    ]
+    if spec.kind is TensorKind.DTENSOR:
+        note = {
+            "placements": repr(tuple(spec.dtensor_spec.placements)),
+            "global_shape": list(spec.dtensor_spec.shape),
+        }
+        entry.append(note)
+    return entry
+
+
+def _scalar(value: Any) -> Any:
+    """The JSON form of a scalar leaf or key, or raise TypeError/ValueError."""
+    cls = type(value)
+    if cls is float and not math.isfinite(value):
+        return ["float", "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")]
+    if cls is int and value.bit_length() > _INT_BITS_CAP:
+        raise ValueError(f"int of {value.bit_length()} bits is too large for a replica header")
+    if cls not in _SCALARS:
+        raise TypeError(f"{cls.__qualname__} is not JSON-representable")
+    return value
+
+
+def _attr_name_ok(name: object) -> bool:
+    return type(name) is str and name.isidentifier() and not name.startswith("__")
+
+
+def _namedtuple_fields(cls: type) -> tuple[str, ...] | None:
+    fields = getattr(cls, "_fields", None)
+    if issubclass(cls, tuple) and isinstance(fields, tuple) and all(type(f) is str for f in fields):
+        return fields
+    return None
+
+
+class _TreeEncoder:
+    """Plan nodes to the JSON tree (see docs/format.md), rejecting what JSON cannot hold."""
+
+    def __init__(self, plan: StagePlan) -> None:
+        self.plan = plan
+        self.memo: dict[int, int] = {}  # plan memo -> post-order container number
+        self.seen: set[int] = set()
+
+    def node(self, n: Node, path: KeyPath, depth: int) -> Any:
+        match n:
+            case TensorNode(index):
+                if index not in self.seen:
+                    self.seen.add(index)
+                    self._check_tensor(self.plan.tensors[index], path)
+                return ["tensor", index]
+            case AtomNode(value):
+                try:
+                    return _scalar(value)
+                except (TypeError, ValueError) as exc:
+                    raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
+            case RefNode(memo):
+                return ["ref", self.memo[memo]]
+            case DictNode(memo, keys, values, proto, attrs):
+                if proto is not None and type(proto) is not collections.OrderedDict:
+                    raise UnsupportedInputError(
+                        path,
+                        f"{type(proto).__qualname__} cannot be stored in a replica (only dict, OrderedDict)",
+                    )
+                self._check_depth(path, depth)
+                json_keys = []
+                for key in keys:
+                    try:
+                        json_keys.append(_scalar(key))
+                    except (TypeError, ValueError) as exc:
+                        raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
+                json_values = [self.node(v, (*path, k), depth + 1) for k, v in zip(keys, values, strict=True)]
+                json_attrs = {}
+                for name, value in attrs:
+                    if not _attr_name_ok(name):
+                        raise UnsupportedInputError(path, f"attribute name {name!r} is not allowed")
+                    json_attrs[name] = self.node(value, (*path, Attr(name)), depth + 1)
+                self._done(memo)
+                node: list[Any] = ["dict" if proto is None else "odict", json_keys, json_values]
+                if json_attrs:  # e.g. the ``_metadata`` torch puts on every module state_dict
+                    node.append(json_attrs)
+                return node
+            case SeqNode(memo, cls, items, proto, attrs):
+                fields = _namedtuple_fields(cls) if cls not in (list, tuple) else None
+                if (cls not in (list, tuple) and fields is None) or proto is not None or attrs:
+                    raise UnsupportedInputError(
+                        path,
+                        f"{cls.__qualname__} cannot be stored in a replica (only list, tuple, namedtuple)",
+                    )
+                self._check_depth(path, depth)
+                json_items = [self.node(v, (*path, i), depth + 1) for i, v in enumerate(items)]
+                self._done(memo)
+                if fields is not None:
+                    return ["namedtuple", cls.__name__, list(fields), json_items]
+                return ["list" if cls is list else "tuple", json_items]
+            case CopyNode(value) | ObjectNode(cls=value):
+                what = value.__qualname__ if isinstance(value, type) else type(value).__qualname__
+                raise UnsupportedInputError(
+                    path, f"{what} cannot be stored in a replica (only tensors, containers and JSON values)"
+                )
+        raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
+
+    def _done(self, memo: int) -> None:
+        self.memo[memo] = len(self.memo)
+
+    @staticmethod
+    def _check_depth(path: KeyPath, depth: int) -> None:
+        if depth >= MAX_DEPTH:
+            raise UnsupportedInputError(path, f"containers nested deeper than {MAX_DEPTH} levels")
+
+    @staticmethod
+    def _check_tensor(spec: TensorSpec, path: KeyPath) -> None:
+        if spec.dtype not in _DTYPE_NAMES:
+            raise UnsupportedInputError(path, f"dtype {spec.dtype} is not in the replica format's allow-list")
+        if spec.conj or spec.neg:
+            raise UnsupportedInputError(
+                path,
+                "tensors with a lazy conjugate or negative bit are not supported (resolve_conj/resolve_neg)",
+            )
+        if spec.attrs is not None:
+            raise UnsupportedInputError(
+                path, "tensors carrying Python attributes cannot be stored in a replica"
+            )
+
+
+# -- decoding -----------------------------------------------------------------------------
+
+
+def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
+    """Length of the whole prefix, from its first :data:`FIXED_PREFIX_NBYTES` bytes.
+
+    Checks magic, version and the header length cap, so a reader can size its next read
+    without trusting anything else.
+
+    :raises IntegrityError: fewer than 20 bytes, wrong magic or version, header too long.
+    """
+    if len(fixed) < FIXED_PREFIX_NBYTES:
+        raise IntegrityError(f"truncated: {len(fixed)} bytes, a replica starts with {FIXED_PREFIX_NBYTES}")
+    magic, version, header_len = _FIXED.unpack(bytes(fixed[:FIXED_PREFIX_NBYTES]))
+    if magic != MAGIC:
+        raise IntegrityError(f"not an astage replica: magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise IntegrityError(
+            f"unsupported replica format version {version} (this astage reads {FORMAT_VERSION})"
+        )
+    if header_len > HEADER_CAP:
+        raise IntegrityError(f"header length {header_len} is over the {HEADER_CAP}-byte cap")
+    return _align(FIXED_PREFIX_NBYTES + header_len + _CRC.size)
+
+
+def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
+    """Validate a replica's prefix and return its header; bytes after the prefix are ignored.
+
+    :raises IntegrityError: truncated, corrupt, tampered or malformed in any way.
+    """
+    view = memoryview(data).cast("B")
+    total = prefix_nbytes(view)
+    if len(view) < total:
+        raise IntegrityError(f"truncated: the prefix is {total} bytes, only {len(view)} available")
+    header_end = FIXED_PREFIX_NBYTES + _FIXED.unpack(bytes(view[:FIXED_PREFIX_NBYTES]))[2]
+    (stored,) = _CRC.unpack(view[header_end : header_end + _CRC.size])
+    if crc32c.crc32c(view[:header_end]) != stored:
+        raise IntegrityError("header checksum mismatch")
+    if any(view[header_end + _CRC.size : total]):
+        raise IntegrityError("non-zero bytes in the prefix padding")
+    try:
+        doc = json.loads(
+            bytes(view[FIXED_PREFIX_NBYTES:header_end]).decode("utf-8"),
+            parse_constant=_reject_constant,
+            object_pairs_hook=_unique_keys,
+        )
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(f"header is not valid JSON: {exc}") from exc
+    return _HeaderParser(total).parse(doc)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a replica header")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in a JSON object")
+    return out
+
+
+def _fail(where: str, message: str) -> IntegrityError:
+    return IntegrityError(f"header {where}: {message}")
+
+
+def _int(value: Any, where: str, lo: int = 0, hi: int = _INT64) -> int:
+    if type(value) is not int or not lo <= value < hi:
+        raise _fail(where, f"expected an int in [{lo}, {hi}), got {value!r:.80}")
+    return value
+
+
+def _list(value: Any, where: str, length: int | None = None) -> list[Any]:
+    if type(value) is not list or (length is not None and len(value) != length):
+        raise _fail(where, f"expected a list{'' if length is None else f' of {length}'}, got {value!r:.80}")
+    return value
+
+
+def _object(
+    value: Any, where: str, required: frozenset[str], optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    if type(value) is not dict or not required <= value.keys() <= required | optional:
+        raise _fail(where, f"expected an object with keys {sorted(required)}, got {value!r:.120}")
+    return value
+
+
+_DOC_KEYS: Final = frozenset(
+    {
+        "format",
+        "owner_rank",
+        "holder_rank",
+        "step",
+        "checkpoint_id",
+        "created",
+        "body_nbytes",
+        "storages",
+        "tensors",
+        "tree",
+    }
+)
+_DTENSOR_KEYS: Final = frozenset({"placements", "global_shape"})
+
+
+def _where(path: KeyPath) -> str:
+    return f"tree at {format_key_path(path):.200}"
+
+
+class _RawTensor(NamedTuple):
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    kind: TensorKind
+    requires_grad: bool
+    note: DTensorNote | None
+
+
+class _HeaderParser:
+    """Header JSON to :class:`ReplicaHeader`, checking every field."""
+
+    def __init__(self, prefix_len: int) -> None:
+        self.prefix_len = prefix_len
+        self.containers = 0
+        self.paths: list[KeyPath | None] = []
+        self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
+
+    def parse(self, doc: Any) -> ReplicaHeader:
+        doc = _object(doc, "document", _DOC_KEYS)
+        if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
+            raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
+        holder = doc["holder_rank"]
+        checkpoint_id = doc["checkpoint_id"]
+        if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
+            raise _fail("checkpoint_id", f"expected a str of at most {_ID_CAP} characters")
+        created = doc["created"]
+        if type(created) is not float or not math.isfinite(created):
+            raise _fail("created", f"expected a finite float, got {created!r:.40}")
+        body_nbytes = _int(doc["body_nbytes"], "body_nbytes")
+        segments = self.segments(_list(doc["storages"], "storages"), body_nbytes)
+        raw_tensors = [
+            self.tensor(t, f"tensors[{i}]", segments) for i, t in enumerate(_list(doc["tensors"], "tensors"))
+        ]
+        self.paths = [None] * len(raw_tensors)
+        root = self.node(doc["tree"], (), 0)
+        unused = [i for i, p in enumerate(self.paths) if p is None]
+        if unused:
+            raise _fail("tensors", f"tensor {unused[0]} is not referenced by the tree")
+        if len({t.storage for t in raw_tensors}) != len(segments):
+            raise _fail("storages", "a storage is not referenced by any tensor")
+        specs = tuple(
+            TensorSpec(path, t.storage, t.dtype, t.size, t.stride, t.offset, t.kind, t.requires_grad)
+            for t, path in zip(raw_tensors, self.paths, strict=True)
+            if path is not None
+        )
+        plan = StagePlan(root, specs, tuple(StorageSpec(s.nbytes, _CPU) for s in segments))
+        return ReplicaHeader(
+            owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
+            holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
+            step=_int(doc["step"], "step", -_INT64),
+            checkpoint_id=checkpoint_id,
+            created=created,
+            body_nbytes=body_nbytes,
+            prefix_nbytes=self.prefix_len,
+            segments=segments,
+            plan=plan,
+            dtensors=tuple(t.note for t in raw_tensors),
+        )
+
+    @staticmethod
+    def segments(raw: list[Any], body_nbytes: int) -> tuple[Segment, ...]:
+        # The layout is canonical (each segment at the first aligned offset after the
+        # previous one, nothing after the last), so in-bounds and non-overlapping follow.
+        out = []
+        end = 0
+        for i, entry in enumerate(raw):
+            where = f"storages[{i}]"
+            offset, nbytes, crc = _list(entry, where, 3)
+            if offset != _align(end) or type(offset) is not int:
+                raise _fail(where, f"offset {offset!r:.40} is not the next aligned offset {_align(end)}")
+            end = offset + _int(nbytes, where)
+            if end > body_nbytes:
+                raise _fail(where, f"bytes [{offset}, {end}) overrun the {body_nbytes}-byte body")
+            out.append(Segment(offset, nbytes, _int(crc, where, 0, 1 << 32)))
+        if end != body_nbytes:
+            raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
+        return tuple(out)
+
+    @staticmethod
+    def tensor(raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
+        if type(raw) is not list or len(raw) not in (7, 8):
+            raise _fail(where, f"expected a list of 7 or 8 fields, got {raw!r:.80}")
+        storage, dtype_name, shape, stride, offset, kind, requires_grad = raw[:7]
+        _int(storage, where, 0, len(segments))
+        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
+            raise _fail(where, f"dtype {dtype_name!r:.40} is not allowed")
+        if len(_list(shape, where)) > MAX_NDIM:
+            raise _fail(where, f"{len(shape)} dimensions, at most {MAX_NDIM} allowed")
+        size = tuple(_int(n, where) for n in shape)
+        strides = tuple(_int(n, where) for n in _list(stride, where, len(size)))
+        _int(offset, where)
+        if math.prod(size) >= _INT64:
+            raise _fail(where, f"shape {size} has too many elements")
+        if 0 not in size:
+            last = offset + sum((n - 1) * st for n, st in zip(size, strides, strict=True))
+            if last >= _INT64 or (last + 1) * dtype.itemsize > segments[storage].nbytes:
+                raise _fail(
+                    where,
+                    f"shape {size} with stride {strides} at offset {offset} reaches past its "
+                    f"{segments[storage].nbytes}-byte storage",
+                )
+        if type(kind) is not str or kind not in _KINDS:
+            raise _fail(where, f"kind must be one of {sorted(_KINDS)}, got {kind!r:.40}")
+        if type(requires_grad) is not bool:
+            raise _fail(where, "requires_grad must be a bool")
+        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            raise _fail(where, f"a {dtype_name} tensor cannot require grad")
+        note = None
+        if len(raw) == 8:
+            dt = _object(raw[7], f"{where} dtensor", _DTENSOR_KEYS)
+            if type(dt["placements"]) is not str:
+                raise _fail(f"{where} dtensor", "placements must be a str")
+            global_shape = tuple(_int(n, f"{where} dtensor") for n in _list(dt["global_shape"], where))
+            note = DTensorNote(dt["placements"], global_shape)
+        return _RawTensor(storage, dtype, size, strides, offset, _KINDS[kind], requires_grad, note)
+
+    def scalar(self, raw: Any, path: KeyPath) -> Any:
+        if type(raw) in _SCALARS:
+            return raw
+        if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
+            return _NONFINITE[raw[1]]
+        raise _fail(_where(path), f"expected a JSON scalar, got {raw!r:.80}")
+
+    def node(self, raw: Any, path: KeyPath, depth: int) -> Node:
+        if type(raw) is not list or not raw or raw[0] == "float":
+            return AtomNode(self.scalar(raw, path))
+        tag = raw[0]
+        if tag == "tensor" and len(raw) == 2 and type(raw[1]) is int and 0 <= raw[1] < len(self.paths):
+            index = raw[1]
+            if self.paths[index] is None:
+                self.paths[index] = path
+            return TensorNode(index)
+        where = _where(path)
+        if tag == "ref":
+            return RefNode(_int(_list(raw, where, 2)[1], where, 0, self.containers))
+        if depth >= MAX_DEPTH:
+            raise _fail(where, f"containers nested deeper than {MAX_DEPTH} levels")
+        node: Node
+        if tag in ("dict", "odict"):
+            _, keys, values, *more = _list(raw, where, 4 if tag == "odict" and len(raw) == 4 else 3)
+            keys = [self.scalar(k, path) for k in _list(keys, where)]
+            values = _list(values, where, len(keys))
+            if len(dict.fromkeys(keys)) != len(keys):
+                raise _fail(where, "duplicate dict key")
+            nodes = tuple(self.node(v, (*path, k), depth + 1) for k, v in zip(keys, values, strict=True))
+            attrs = self.attrs(more[0], path, depth) if more else ()
+            proto: dict[Any, Any] | None = None if tag == "dict" else collections.OrderedDict()
+            node = DictNode(self.containers, tuple(keys), nodes, proto, attrs)
+        elif tag in ("list", "tuple"):
+            items = _list(_list(raw, where, 2)[1], where)
+            nodes = tuple(self.node(v, (*path, i), depth + 1) for i, v in enumerate(items))
+            node = SeqNode(self.containers, list if tag == "list" else tuple, nodes, None, ())
+        elif tag == "namedtuple":
+            _, typename, fields, items = _list(raw, where, 4)
+            fields = _list(fields, where)
+            items = _list(items, where, len(fields))
+            nodes = tuple(self.node(v, (*path, i), depth + 1) for i, v in enumerate(items))
+            node = SeqNode(self.containers, self.namedtuple(typename, fields, where), nodes, None, ())
+        else:
+            raise _fail(where, f"unknown or malformed node {raw!r:.80}")
+        self.containers += 1
+        return node
+
+    def attrs(self, raw: Any, path: KeyPath, depth: int) -> tuple[tuple[str, Node], ...]:
+        if type(raw) is not dict or not raw or not all(_attr_name_ok(name) for name in raw):
+            raise _fail(
+                _where(path), f"attributes must be a non-empty object of plain names, got {raw!r:.80}"
+            )
+        return tuple((name, self.node(v, (*path, Attr(name)), depth + 1)) for name, v in raw.items())
+
+    def namedtuple(self, typename: Any, fields: list[Any], where: str) -> type:
+        if type(typename) is not str or not all(type(f) is str for f in fields):
+            raise _fail(where, "namedtuple name and fields must be strs")
+        key = (typename, tuple(fields))
+        known = self.namedtuples.get(key)
+        if known is not None:
+            return known
+        try:
+            # Validates typename and fields as identifiers; imports and executes nothing.
+            made: type = collections.namedtuple(typename, fields)  # type: ignore[misc]
+        except (ValueError, TypeError) as exc:
+            raise _fail(where, f"invalid namedtuple: {exc}") from exc
+        self.namedtuples[key] = made
+        return made
+
+
+def verify_body(header: ReplicaHeader, body: torch.Tensor) -> None:
+    """Check that ``body`` is exactly the body ``header`` describes: length, zero gaps, crcs.
+
+    CPU-bound (checksums); async callers run it in a worker thread.
+
+    :param body: a contiguous 1-D uint8 CPU tensor.
+    :raises IntegrityError: wrong length, non-zero padding, checksum mismatch.
+    :raises ConfigurationError: ``body`` is not a contiguous 1-D uint8 CPU tensor.
+    """
+    view = byte_view(body)
+    if len(view) != header.body_nbytes:
+        raise IntegrityError(f"body is {len(view)} bytes, the header says {header.body_nbytes}")
+    end = 0
+    for i, seg in enumerate(header.segments):
+        if any(view[end : seg.offset]):
+            raise IntegrityError(f"non-zero padding before storage {i}")
+        if crc32c.crc32c(view[seg.offset : seg.offset + seg.nbytes]) != seg.crc32c:
+            raise IntegrityError(f"checksum mismatch in storage {i} (body bytes from {seg.offset})")
+        end = seg.offset + seg.nbytes
+
+
+def decode(header: ReplicaHeader, body: torch.Tensor) -> Any:
+    """Verify ``body`` against ``header`` and rebuild the state_dict over it.
+
+    Each storage becomes its own exactly-sized storage viewing ``body``'s memory (no copy),
+    so ``body`` stays alive while any returned tensor does.  DTensors come back as their
+    local tensor (a plain Tensor); :attr:`ReplicaHeader.dtensors` says what they were.
+
+    :param body: a contiguous 1-D uint8 CPU tensor of ``header.body_nbytes`` bytes.
+    :raises IntegrityError: the body does not match the header.
+    :raises ConfigurationError: ``body`` is not a contiguous 1-D uint8 CPU tensor.
+    """
+    verify_body(header, body)
+    array = body.numpy()
+    storages = [
+        torch.from_numpy(array[seg.offset : seg.offset + seg.nbytes]).untyped_storage()
+        for seg in header.segments
+    ]
+    try:
+        return rebuild(header.plan, storages)
+    except RuntimeError as exc:  # pragma: no cover - the header checks should make this unreachable
+        raise IntegrityError(f"cannot rebuild the tensors the header describes: {exc}") from exc

@@ -1,0 +1,518 @@
+"""Durable replica files: crash-safe writes, sweeping, finding and loading.
+
+A replica is written to a unique temp file in its target directory
+(``.{final name}.astage-tmp.{32 hex digits}``, created with ``O_EXCL``, mode 0600), fsynced,
+renamed over its final name with :func:`os.replace`, and the directory is fsynced.  Blocking
+calls run in worker threads (``anyio.to_thread``, never abandoned on cancellation), in chunks
+of :data:`CHUNK_NBYTES`, so the event loop stays free and cancellation is prompt.
+
+Invariants:
+
+* The final path only ever holds a complete, fsynced replica: the old one or the new one,
+  whatever happens (error, cancellation, a crash at any instruction).
+* Whatever fails before the rename, cancellation included, the temp file is removed under a
+  cancel shield and :class:`PersistError` names the step that failed (open, write, fsync,
+  close, replace, dir-fsync) and the path.  A failed fsync is never retried: the kernel may
+  already have dropped the dirty pages, so a retry could report success over lost data.
+* A worker thread always finishes its chunk before the file descriptor is closed; cleanup
+  never races a write.
+* Only files named like astage's own temps are ever swept.
+* Loading validates everything (:mod:`astage._format`) and checks that the file is exactly
+  as long as its header says before allocating the body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Literal, Self
+
+import anyio
+import torch
+
+from ._errors import ClosedError, ConfigurationError, IntegrityError, PersistError
+from ._format import (
+    FIXED_PREFIX_NBYTES,
+    Encoded,
+    ReplicaHeader,
+    byte_view,
+    decode,
+    parse_prefix,
+    prefix_nbytes,
+)
+
+log = logging.getLogger("astage.persist")
+
+CHUNK_NBYTES: Final = 16 << 20
+"""Most bytes one worker-thread call reads or writes: bounds how late cancellation lands."""
+
+REPLICA_SUFFIX: Final = ".astage"
+"""File name suffix of every replica :func:`find_replicas` looks at."""
+
+_TEMP_RE: Final = re.compile(r"\A\..+\.astage-tmp\.[0-9a-f]{32}\Z", re.DOTALL)
+
+BytesLike = bytes | bytearray | memoryview
+"""A buffer :class:`ReplicaWriter` accepts."""
+
+_Step = Literal["open", "write", "fsync", "close", "replace", "dir-fsync"]
+
+
+def replica_path(storage_dir: str | os.PathLike[str], *, owner_rank: int, holder_rank: int) -> Path:
+    """Where the replica of ``owner_rank``'s state kept by ``holder_rank`` lives.
+
+    ``replica-owner{owner:05d}-holder{holder:05d}.astage``: one file per owner and holder, a
+    newer replica replaces the older one atomically.
+    """
+    return Path(storage_dir) / f"replica-owner{owner_rank:05d}-holder{holder_rank:05d}{REPLICA_SUFFIX}"
+
+
+def temp_path_for(path: Path) -> Path:
+    """A fresh temp name for writing ``path``: same directory, recognisable by the sweeper."""
+    return path.with_name(f".{path.name}.astage-tmp.{uuid.uuid4().hex}")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of astage's temp file names."""
+    return _TEMP_RE.match(name) is not None
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    missing = []
+    while not directory.is_dir():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    created = []
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue
+        created.append(d)
+    return created
+
+
+def _open_exclusive(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> int:
+    total = 0
+    for view in buffers:
+        while view:
+            n = os.write(fd, view)
+            total += n
+            view = view[n:]
+    return total
+
+
+def _fsync_dirs(directories: list[Path]) -> None:
+    for directory in directories:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _discard_file(fd: int | None, path: Path | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            log.warning("closing the temp file %s failed: %s", path, exc)
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("removing the temp file %s failed: %s", path, exc)
+
+
+def _batches(data: BytesLike | Iterable[BytesLike], chunk_nbytes: int) -> Iterator[list[memoryview]]:
+    """Group buffers into lists of at most ``chunk_nbytes`` bytes (big ones are split)."""
+    buffers: Iterable[BytesLike] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    batch: list[memoryview] = []
+    size = 0
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        while view:
+            piece = view[: chunk_nbytes - size]
+            batch.append(piece)
+            size += len(piece)
+            view = view[len(piece) :]
+            if size == chunk_nbytes:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class ReplicaWriter:
+    """Stream bytes into a temp file next to ``path``; :meth:`commit` makes them durable there.
+
+    ::
+
+        async with ReplicaWriter(path) as writer:
+            async for chunk in receive():
+                await writer.write(chunk)
+            await writer.commit()
+
+    Leaving the block without :meth:`commit` (an error, cancellation) removes the temp file
+    and leaves whatever was at ``path`` untouched.  The writer does not check what it is
+    given: callers verify a replica (:func:`astage._format.verify_body`) before committing.
+
+    :param path: the final path; missing directories are created with mode 0700.
+    :param limiter: worker-thread limiter for the blocking calls (default: anyio's).
+    :param chunk_nbytes: most bytes written per worker-thread call.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        limiter: anyio.CapacityLimiter | None = None,
+        chunk_nbytes: int = CHUNK_NBYTES,
+    ) -> None:
+        if chunk_nbytes <= 0:
+            raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
+        self.path = Path(path)
+        self.temp_path = temp_path_for(self.path)
+        self.nbytes_written = 0
+        self._limiter = limiter
+        self._chunk = chunk_nbytes
+        self._fd: int | None = None
+        self._created = False
+        self._new_dirs: list[Path] = []
+        self._state: Literal["new", "open", "done"] = "new"
+        self._started = 0.0
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _run(self, step: _Step, fn: Any, *args: Any) -> Any:
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except BaseException as exc:
+            await self.aclose()
+            if isinstance(exc, OSError):
+                raise PersistError(f"{step} failed for {self.path}: {exc}") from exc
+            raise
+
+    async def open(self) -> None:
+        """Create the directories and the temp file (done by ``async with``).
+
+        :raises PersistError: the directory or the temp file cannot be created.
+        :raises ClosedError: already opened, committed or discarded.
+        """
+        if self._state != "new":
+            raise ClosedError(f"ReplicaWriter for {self.path} was already opened")
+        self._state = "open"
+        self._started = time.perf_counter()
+        self._new_dirs = await self._run("open", _make_dirs, self.path.parent)
+        self._fd = await self._run("open", _open_exclusive, self.temp_path)
+        self._created = True
+
+    def _check_open(self) -> int:
+        if self._state != "open" or self._fd is None:
+            raise ClosedError(
+                f"ReplicaWriter for {self.path} is not open (committed, discarded or never opened)"
+            )
+        return self._fd
+
+    async def write(self, data: BytesLike | Iterable[BytesLike]) -> None:
+        """Append one buffer, or several in order; returns once they are all written.
+
+        Small buffers are grouped so that each worker-thread call writes up to
+        ``chunk_nbytes``: every buffer an iterable yields must stay unchanged until this
+        returns (yield distinct buffers, not one buffer refilled).
+
+        :raises PersistError: the write failed (disk full, I/O error); the temp is removed.
+        :raises ClosedError: the writer is not open.
+        """
+        fd = self._check_open()
+        for batch in _batches(data, self._chunk):
+            self.nbytes_written += await self._run("write", _write_all, fd, batch)
+
+    async def commit(self) -> Path:
+        """Fsync the temp file, rename it over the final path, fsync the directory.
+
+        Once the rename has started, it and the directory fsync finish even if the caller
+        is cancelled: when this returns, the replica is durable at :attr:`path`.
+
+        :returns: the final path.
+        :raises PersistError: a step failed; before the rename the previous replica is
+            intact and the temp removed; a ``dir-fsync`` failure means the new replica is in
+            place but its directory entry may not survive a crash.
+        :raises ClosedError: the writer is not open.
+        """
+        fd = self._check_open()
+        await self._run("fsync", os.fsync, fd)
+        self._fd = None
+        await self._run("close", os.close, fd)
+        with anyio.CancelScope(shield=True):
+            await self._run("replace", os.replace, self.temp_path, self.path)
+            self._created = False
+            self._state = "done"
+            dirs = [self.path.parent, *{d.parent for d in self._new_dirs}]
+            await self._run("dir-fsync", _fsync_dirs, dirs)
+        seconds = time.perf_counter() - self._started
+        log.debug(
+            "wrote %s: %d bytes in %.4fs (%.2f GB/s)",
+            self.path,
+            self.nbytes_written,
+            seconds,
+            self.nbytes_written / seconds / 1e9 if seconds > 0 else 0.0,
+        )
+        return self.path
+
+    async def aclose(self) -> None:
+        """Discard the temp file unless committed; idempotent, always completes."""
+        if self._state == "done":
+            return
+        self._state = "done"
+        fd, self._fd = self._fd, None
+        path = self.temp_path if self._created else None
+        self._created = False
+        if fd is None and path is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_discard_file, fd, path, limiter=self._limiter)
+
+
+async def write_replica(
+    path: str | os.PathLike[str],
+    replica: Encoded | Iterable[BytesLike],
+    *,
+    limiter: anyio.CapacityLimiter | None = None,
+    chunk_nbytes: int = CHUNK_NBYTES,
+) -> Path:
+    """Write a replica durably at ``path``, atomically replacing any previous one.
+
+    :param replica: an :class:`Encoded` replica, or its bytes as buffers in order.
+    :returns: the final path.
+    :raises PersistError: a step failed (named in the message); the previous replica is
+        intact (unless only the final directory fsync failed) and no temp file is left.
+    """
+    buffers = replica.buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
+    async with ReplicaWriter(path, limiter=limiter, chunk_nbytes=chunk_nbytes) as writer:
+        await writer.write(buffers)
+        return await writer.commit()
+
+
+def sweep_stale_temps(directory: str | os.PathLike[str], *, older_than: float = 0.0) -> list[Path]:
+    """Remove astage temp files left in ``directory`` by crashed writers; nothing else.
+
+    Run it at start-up, before this process writes there.  With ``older_than`` (seconds),
+    only temps not modified for that long are removed, which is safe beside live writers.
+
+    :returns: the removed paths (a missing directory gives ``[]``).
+    :raises OSError: the directory cannot be listed.
+    """
+    removed: list[Path] = []
+    deadline = time.time() - older_than
+    try:
+        with os.scandir(directory) as listing:
+            entries = list(listing)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not is_temp_name(entry.name) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            if older_than and entry.stat(follow_symlinks=False).st_mtime > deadline:
+                continue
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("cannot remove stale temp file %s: %s", entry.path, exc)
+            continue
+        log.info("removed stale temp file %s", entry.path)
+        removed.append(Path(entry.path))
+    return removed
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """A replica file found on disk (only its prefix was read and validated).
+
+    :ivar mtime: when the file was last written here (this machine's clock).
+    :ivar nbytes: the file's size.
+    """
+
+    path: Path
+    owner_rank: int
+    holder_rank: int | None
+    step: int
+    checkpoint_id: str
+    created: float
+    nbytes: int
+    mtime: float
+    header: ReplicaHeader = dataclasses.field(repr=False)
+
+
+class _ReplicaFile:
+    """Blocking steps over one open replica file; run inline or in worker threads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        data = os.pread(self.fd, n, offset)
+        if len(data) != n:
+            raise IntegrityError(f"truncated: {len(data)} of {n} bytes at offset {offset}")
+        return data
+
+    def header(self) -> tuple[ReplicaHeader, os.stat_result]:
+        """Read and validate the prefix; check the file is exactly prefix plus body."""
+        st = os.fstat(self.fd)
+        try:
+            total = prefix_nbytes(self._pread(FIXED_PREFIX_NBYTES, 0))
+            if total > st.st_size:
+                raise IntegrityError(f"truncated: the prefix is {total} bytes, the file {st.st_size}")
+            header = parse_prefix(self._pread(total, 0))
+        except IntegrityError as exc:
+            raise IntegrityError(f"{self.path}: {exc}") from exc
+        if st.st_size != header.total_nbytes:
+            what = "truncated" if st.st_size < header.total_nbytes else "trailing bytes"
+            raise IntegrityError(
+                f"{self.path}: {what}: the file is {st.st_size} bytes, its header says {header.total_nbytes}"
+            )
+        return header, st
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from ``offset``; a short file is an integrity error."""
+        while view:
+            n = os.preadv(self.fd, [view], offset)
+            if n == 0:
+                raise IntegrityError(f"{self.path}: truncated while reading at offset {offset}")
+            view = view[n:]
+            offset += n
+
+    def decode(self, header: ReplicaHeader, body: torch.Tensor) -> Any:
+        try:
+            return decode(header, body)
+        except IntegrityError as exc:
+            raise IntegrityError(f"{self.path}: {exc}") from exc
+
+
+def _chunks(header: ReplicaHeader, body: torch.Tensor) -> Iterator[tuple[memoryview, int]]:
+    view = byte_view(body)
+    for start in range(0, len(view), CHUNK_NBYTES):
+        yield view[start : start + CHUNK_NBYTES], header.prefix_nbytes + start
+
+
+async def load_replica(path: str | os.PathLike[str], *, limiter: anyio.CapacityLimiter | None = None) -> Any:
+    """Read, validate and rebuild the state_dict stored at ``path`` (tensors on the CPU).
+
+    Reads in worker threads, in chunks; checksums are verified (in a worker thread) before
+    anything is returned.  Tensors share one body buffer (see :func:`astage._format.decode`).
+
+    :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt or
+        tampered anywhere.
+    :raises OSError: the file cannot be opened or read.
+    """
+    run = anyio.to_thread.run_sync
+    f = await run(_ReplicaFile, Path(path), limiter=limiter)
+    try:
+        header, _ = await run(f.header, limiter=limiter)
+        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
+        for view, offset in _chunks(header, body):
+            await run(f.read_into, view, offset, limiter=limiter)
+        return await run(f.decode, header, body, limiter=limiter)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run(f.close, limiter=limiter)
+
+
+def load_replica_sync(path: str | os.PathLike[str]) -> Any:
+    """Blocking :func:`load_replica`, for scripts and the CLI.
+
+    :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt.
+    :raises OSError: the file cannot be opened or read.
+    """
+    f = _ReplicaFile(Path(path))
+    try:
+        header, _ = f.header()
+        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
+        for view, offset in _chunks(header, body):
+            f.read_into(view, offset)
+        return f.decode(header, body)
+    finally:
+        f.close()
+
+
+def find_replicas(storage_dir: str | os.PathLike[str]) -> list[ReplicaInfo]:
+    """List the valid replicas in ``storage_dir``, newest first (by mtime, then ``created``).
+
+    Looks at regular files named ``*.astage`` (not temps, not symlinks) and reads only
+    their prefixes.  Files that fail validation (corrupt, truncated, foreign) are skipped
+    with a warning on the ``astage.persist`` logger; :func:`load_replica` on one says why.
+
+    :returns: ``[]`` when the directory does not exist.
+    :raises OSError: the directory cannot be listed.
+    """
+    found: list[ReplicaInfo] = []
+    try:
+        with os.scandir(storage_dir) as listing:
+            entries = list(listing)
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        if not entry.name.endswith(REPLICA_SUFFIX) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            f = _ReplicaFile(Path(entry.path))
+            try:
+                header, st = f.header()
+            finally:
+                f.close()
+        except (IntegrityError, OSError) as exc:
+            log.warning("skipping an invalid replica: %s", exc)
+            continue
+        found.append(
+            ReplicaInfo(
+                path=Path(entry.path),
+                owner_rank=header.owner_rank,
+                holder_rank=header.holder_rank,
+                step=header.step,
+                checkpoint_id=header.checkpoint_id,
+                created=header.created,
+                nbytes=st.st_size,
+                mtime=st.st_mtime,
+                header=header,
+            )
+        )
+    found.sort(key=lambda r: (r.mtime, r.created, str(r.path)), reverse=True)
+    return found

@@ -1,0 +1,696 @@
+"""The replica format: faithful round trips, clear refusals, and hostile bytes rejected."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import pickle
+import struct
+import warnings
+from typing import Any, NamedTuple
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import astage
+from astage._format import (
+    ALIGNMENT,
+    DTYPES,
+    FIXED_PREFIX_NBYTES,
+    HEADER_CAP,
+    MAGIC,
+    MAX_DEPTH,
+    decode,
+    encode,
+    parse_prefix,
+    prefix_nbytes,
+    verify_body,
+)
+from tests.statedicts import random_tensor, rich_state_dict, storage_key, tensors_of
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def replica_bytes(state: Any, **meta: Any) -> bytes:
+    meta = {"owner_rank": 3, "step": 7, "checkpoint_id": "ckpt", **meta}
+    return b"".join(encode(state, **meta).buffers())
+
+
+def read(data: bytes) -> Any:
+    """Everything a reader does with a replica held in memory."""
+    header = parse_prefix(data)
+    body = torch.from_numpy(np.frombuffer(bytearray(data[header.prefix_nbytes :]), dtype=np.uint8))
+    return decode(header, body)
+
+
+def round_trip(state: Any) -> Any:
+    return read(replica_bytes(state))
+
+
+def storage_bytes(t: torch.Tensor) -> bytes:
+    s = t.untyped_storage()
+    return bytes(torch.empty(0, dtype=torch.uint8).set_(s).numpy())
+
+
+def assert_same_tree(a: Any, b: Any, path: str = "state") -> None:
+    """``b`` is ``a`` rebuilt: same types, keys, order, values (bit-exact) and tensor views."""
+    if isinstance(a, torch.Tensor):
+        assert type(b) is type(a), path
+        assert (b.dtype, b.shape, b.stride(), b.storage_offset()) == (
+            a.dtype,
+            a.shape,
+            a.stride(),
+            a.storage_offset(),
+        ), path
+        assert b.requires_grad == a.requires_grad, path
+        assert storage_bytes(b) == storage_bytes(a), path
+        return
+    if hasattr(type(a), "_fields"):
+        assert type(b).__name__ == type(a).__name__, path
+        assert b._fields == a._fields, path
+    else:
+        assert type(b) is type(a), path
+    if isinstance(a, dict):
+        if hasattr(a, "__dict__"):  # e.g. the _metadata of a module's state_dict
+            assert_same_tree(vars(a), vars(b), f"{path}.__dict__")
+        assert list(b) == list(a), path
+        assert [type(k) for k in b] == [type(k) for k in a], path
+        for (k, va), vb in zip(a.items(), b.values(), strict=True):
+            assert_same_tree(va, vb, f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(b) == len(a), path
+        for i, (va, vb) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(va, vb, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert struct.pack("<d", b) == struct.pack("<d", a) or (math.isnan(a) and math.isnan(b)), path
+    else:
+        assert b == a, path
+
+
+def assert_same_sharing(a: Any, b: Any) -> None:
+    """Tensors share a storage, or are one object, in ``b`` exactly where they do in ``a``."""
+    ta, tb = tensors_of(a), tensors_of(b)
+    assert len(ta) == len(tb)
+    for i in range(len(ta)):
+        for j in range(len(ta)):
+            same_a = storage_key(ta[i]) == storage_key(ta[j])
+            same_b = storage_key(tb[i]) == storage_key(tb[j])
+            assert same_a == same_b, (i, j)
+            assert (ta[i] is ta[j]) == (tb[i] is tb[j]), (i, j)
+
+
+def rich_state() -> dict[Any, Any]:
+    base = torch.arange(24, dtype=torch.float32)
+    raw = torch.arange(16, dtype=torch.uint8)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    shared_list = [1, 2, {"deep": torch.ones(2, dtype=torch.int16)}]
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
+    return {
+        "dtypes": {name: random_tensor((3, 2), dtype) for name, dtype in DTYPES.items()},
+        "module": module.state_dict(),
+        "views": {
+            "base": base,
+            "matrix": base.view(4, 6),
+            "transposed": base.view(4, 6).t(),
+            "strided": base[1::3],
+            "offset": base[5:9],
+            "scalar_view": base[7],
+            "expanded": base[:1].expand(5, 3),
+            "bytes_of_raw": raw,
+            "floats_of_raw": raw.view(torch.float32),
+        },
+        "shapes": {
+            "zero_d": torch.tensor(3.5),
+            "empty": torch.zeros(0),
+            "empty_2d": torch.zeros(3, 0, dtype=torch.int64),
+            "empty_offset": base[24:],
+            "non_contiguous": torch.randn(4, 5)[:, 1:4],
+        },
+        "params": {"weight": weight, "tied": weight, "frozen": frozen},
+        "grad": torch.randn(3, requires_grad=True),
+        "containers": {
+            "list": [1, [2, [3, []]], ()],
+            "tuple": (torch.zeros(1), "x", (None,)),
+            "namedtuple": Point(torch.ones(1), Point(1, 2)),
+            "typed_namedtuple": Pair("a", [1.5]),
+            "ordered": collections.OrderedDict([("z", 1), ("a", torch.zeros(2))]),
+            "empty_dict": {},
+            "typed_keys": {1: "int", 1.5: "float", False: "bool", None: "none", "1": "str", -0.5: 0},
+            "shared_list": shared_list,
+            "shared_again": shared_list,
+        },
+        "leaves": [
+            None,
+            True,
+            False,
+            0,
+            -1,
+            2**70,
+            -(2**100),
+            1.5,
+            -0.0,
+            5e-324,
+            1e308,
+            math.nan,
+            math.inf,
+            -math.inf,
+            "",
+            "ünïcødé ✓",
+            "\ud800 lone surrogate",
+            'quote " and \\ backslash',
+        ],
+        7: "int key at the top",
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(10.0), "exp_avg": torch.zeros(3, 4)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}],
+        },
+    }
+
+
+# -- round trips --------------------------------------------------------------------------
+
+
+def test_rich_state_dict_round_trips_bit_exact() -> None:
+    state = rich_state()
+    out = round_trip(state)
+    assert_same_tree(state, out)
+    assert_same_sharing(state, out)
+
+
+def test_module_state_dict_keeps_its_metadata() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
+    source = module.state_dict()
+    out = round_trip({"model": source})["model"]
+    assert type(out) is collections.OrderedDict
+    assert out._metadata == source._metadata  # type: ignore[attr-defined]
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
+    fresh.load_state_dict(out)
+    assert torch.equal(fresh.state_dict()["0.weight"], source["0.weight"])
+
+
+def test_the_shared_rich_state_dict() -> None:
+    state = rich_state_dict()
+    with pytest.raises(astage.UnsupportedInputError) as info:
+        encode(state, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path == ("frozen",)
+    for key in ("frozen", "slotted", "tagged", "extras"):  # objects, tensor attributes, bytes, dtypes
+        del state[key]
+    out = round_trip(state)
+    assert_same_tree(state, out)
+    assert_same_sharing(state, out)
+
+
+def test_aliasing_and_identity_survive() -> None:
+    state = rich_state()
+    out = round_trip(state)
+    views = out["views"]
+    assert views["matrix"].untyped_storage().data_ptr() == views["base"].untyped_storage().data_ptr()
+    assert views["floats_of_raw"].untyped_storage().nbytes() == 16
+    views["base"][0] = 100.0
+    assert views["matrix"][0, 0] == 100.0
+    assert views["transposed"][0, 0] == 100.0
+    assert out["params"]["weight"] is out["params"]["tied"]
+    assert isinstance(out["params"]["weight"], torch.nn.Parameter)
+    assert out["params"]["weight"].requires_grad
+    assert not out["params"]["frozen"].requires_grad
+    assert out["containers"]["shared_list"] is out["containers"]["shared_again"]
+    assert out["dtypes"]["float32"].untyped_storage().data_ptr() != views["base"].untyped_storage().data_ptr()
+
+
+def test_each_storage_is_exactly_sized() -> None:
+    state = {"a": torch.arange(10, dtype=torch.int8)[2:5], "b": torch.zeros(3, dtype=torch.float64)}
+    out = round_trip(state)
+    assert out["a"].untyped_storage().nbytes() == 10
+    assert out["b"].untyped_storage().nbytes() == 24
+
+
+def test_namedtuple_types_are_rebuilt_once_per_replica() -> None:
+    out = round_trip({"a": Point(1, 2), "b": Point(3, 4), "c": Pair(1, 2)})
+    assert type(out["a"]) is type(out["b"])
+    assert out["a"] == (1, 2)
+    assert out["a"].y == 2
+    assert out["c"].second == 2
+
+
+def test_header_carries_metadata() -> None:
+    state = rich_state()
+    encoded = encode(state, owner_rank=5, holder_rank=2, step=-3, checkpoint_id="run/ü", created=12.5)
+    header = parse_prefix(encoded.prefix)
+    assert (header.owner_rank, header.holder_rank, header.step) == (5, 2, -3)
+    assert (header.checkpoint_id, header.created) == ("run/ü", 12.5)
+    assert header.segments == encoded.header.segments
+    assert header.plan.tensors == encoded.header.plan.tensors
+    assert header.num_tensors == len({id(t) for t in tensors_of(state)})
+    assert header.total_nbytes == encoded.total_nbytes == len(b"".join(encoded.buffers()))
+    assert header.prefix_nbytes % ALIGNMENT == 0
+    assert all(seg.offset % ALIGNMENT == 0 for seg in header.segments)
+    assert parse_prefix(encode({}, owner_rank=0, step=0, checkpoint_id="").prefix).holder_rank is None
+
+
+def test_empty_state_and_tensor_free_state() -> None:
+    states: list[Any] = [{}, [], {"lr": 0.1, "names": ["a", "b"]}, None, 3]
+    for state in states:
+        data = replica_bytes(state)
+        assert parse_prefix(data).body_nbytes == 0
+        assert_same_tree(state, read(data))
+
+
+def test_buffers_split_into_chunks_without_changing_bytes() -> None:
+    encoded = encode(rich_state(), owner_rank=0, step=0, checkpoint_id="")
+    pieces = list(encoded.buffers(7))
+    assert all(0 < len(p) <= 7 for p in pieces)
+    assert b"".join(pieces) == b"".join(encoded.buffers())
+    with pytest.raises(astage.ConfigurationError):
+        next(encoded.buffers(0))
+
+
+def test_dtensor_decodes_to_its_local_tensor() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch built without distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.randn(4, 6)
+        state = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+        encoded = encode(state, owner_rank=0, step=0, checkpoint_id="")
+        out = read(b"".join(encoded.buffers()))
+    finally:
+        dist.destroy_process_group()
+    assert type(out["w"]) is torch.Tensor
+    assert torch.equal(out["w"], full)
+    note = encoded.header.dtensors[0]
+    assert note is not None
+    assert note.global_shape == (4, 6)
+    assert "Shard(dim=0)" in note.placements
+
+
+_json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+_json_key = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=4)
+)
+_tensors = st.builds(
+    lambda name, n, seed: random_tensor((n,), DTYPES[name], torch.Generator().manual_seed(seed)),
+    st.sampled_from(sorted(DTYPES)),
+    st.integers(0, 5),
+    st.integers(0, 1000),
+)
+_trees = st.recursive(
+    st.one_of(_json_leaf, _tensors),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(_json_key, children, max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_trees)
+def test_random_trees_round_trip(tree: Any) -> None:
+    assert_same_tree(tree, round_trip(tree))
+
+
+# -- refusals at encode time --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.1
+
+
+def _conj() -> torch.Tensor:
+    return torch.randn(2, dtype=torch.complex64).conj()
+
+
+def _neg() -> torch.Tensor:
+    return torch._neg_view(torch.randn(2))
+
+
+def _with_attr() -> torch.Tensor:
+    t = torch.zeros(2)
+    t.note = "x"  # type: ignore[attr-defined]
+    return t
+
+
+class MyList(list[Any]):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ({1, 2}, "set"),
+        (b"raw", "bytes"),
+        (1 + 2j, "complex"),
+        (object(), "object"),
+        (Config(), "Config"),
+        (collections.defaultdict(list), "defaultdict"),
+        (MyList([1]), "MyList"),
+        (torch.device("cpu"), "device"),
+        (torch.float32, "dtype"),
+        (np.float64(1.0), "float64"),
+        (np.zeros(2), "ndarray"),
+        (10**5000, "too large"),
+        (torch.Size([2]), "Size"),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, str) else v,
+)
+def test_unsupported_leaves_name_their_key_path(value: Any, fragment: str) -> None:
+    state = {"model": {"layers": [torch.zeros(1), {"bad": value}]}}
+    with pytest.raises(astage.UnsupportedInputError) as info:
+        encode(state, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path[:4] == ("model", "layers", 1, "bad")
+    assert "state_dict['model']['layers'][1]['bad']" in str(info.value)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [(_conj, "conjugate"), (_neg, "negative"), (_with_attr, "attributes")],
+    ids=["conj", "neg", "attrs"],
+)
+def test_unsupported_tensors_name_their_key_path(make: Any, fragment: str) -> None:
+    with pytest.raises(astage.UnsupportedInputError) as info:
+        encode({"opt": [make()]}, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path == ("opt", 0)
+    assert fragment in str(info.value)
+
+
+def test_dtype_outside_the_allow_list_is_refused() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "ComplexHalf support is experimental"
+        t = torch.zeros(2, dtype=torch.complex32)
+    with pytest.raises(astage.UnsupportedInputError, match="allow-list") as info:
+        encode({"x": t}, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path == ("x",)
+
+
+def test_unsupported_dict_keys_and_deep_nesting_are_refused() -> None:
+    with pytest.raises(astage.UnsupportedInputError, match="key") as info:
+        encode({"a": {(1, 2): 3}}, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path == ("a",)
+    deep: Any = 1
+    for _ in range(MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(astage.UnsupportedInputError, match="nested"):
+        encode(deep, owner_rank=0, step=0, checkpoint_id="")
+
+
+def test_meta_tensors_are_refused() -> None:
+    with pytest.raises(astage.UnsupportedInputError) as info:
+        encode({"m": torch.empty(2, device="meta")}, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path == ("m",)
+
+
+def test_header_over_the_cap_is_refused_at_encode() -> None:
+    with pytest.raises(astage.UnsupportedInputError, match="cap"):
+        encode({"s": "x" * (HEADER_CAP + 1)}, owner_rank=0, step=0, checkpoint_id="")
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"owner_rank": -1},
+        {"owner_rank": 2**31},
+        {"holder_rank": "1"},
+        {"step": 1.0},
+        {"step": 2**63},
+        {"checkpoint_id": 5},
+        {"created": math.nan},
+    ],
+    ids=str,
+)
+def test_bad_metadata_is_a_configuration_error(meta: dict[str, Any]) -> None:
+    args: dict[str, Any] = {"owner_rank": 0, "step": 0, "checkpoint_id": "", **meta}
+    with pytest.raises(astage.ConfigurationError):
+        encode({}, **args)
+
+
+# -- damaged and hostile bytes ------------------------------------------------------------
+
+
+SMALL = {
+    "w": torch.arange(6, dtype=torch.float32).view(2, 3),
+    "b": torch.ones(3, dtype=torch.int8),
+    "lr": 0.5,
+}
+
+
+def test_truncation_at_every_byte_is_detected() -> None:
+    data = replica_bytes(SMALL)
+    assert_same_tree(SMALL, read(data))
+    for n in range(len(data)):
+        assert_rejected(data[:n], f"truncation to {n} bytes")
+
+
+def test_trailing_bytes_are_detected() -> None:
+    data = replica_bytes(SMALL)
+    with pytest.raises(astage.IntegrityError, match="body is"):
+        read(data + b"\x00")
+
+
+def assert_rejected(data: bytes, what: str) -> None:
+    try:
+        read(data)
+    except astage.IntegrityError:
+        return
+    pytest.fail(f"{what} went unnoticed")
+
+
+def test_a_bit_flip_anywhere_is_detected() -> None:
+    data = replica_bytes(SMALL)
+    header = parse_prefix(data)
+    json_end = FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]
+    regions = {
+        "magic": range(0, 8),
+        "version": range(8, 12),
+        "length": range(12, FIXED_PREFIX_NBYTES),
+        "header json": range(FIXED_PREFIX_NBYTES, json_end),
+        "header crc": range(json_end, json_end + 4),
+        "prefix padding": range(json_end + 4, header.prefix_nbytes),
+        "body": range(header.prefix_nbytes, len(data)),
+    }
+    assert all(len(r) for r in regions.values())
+    segment_end = header.prefix_nbytes + header.segments[0].offset + header.segments[0].nbytes
+    assert segment_end < header.prefix_nbytes + header.segments[1].offset, "want body padding too"
+    for name, region in regions.items():
+        for i in region:
+            for bit in range(8):
+                damaged = bytearray(data)
+                damaged[i] ^= 1 << bit
+                assert_rejected(bytes(damaged), f"flip of bit {bit} at byte {i} ({name})")
+
+
+def test_absurd_header_length_is_rejected_from_twenty_bytes() -> None:
+    fixed = MAGIC + struct.pack("<IQ", 1, 2**60)
+    with pytest.raises(astage.IntegrityError, match="cap"):
+        prefix_nbytes(fixed)
+    with pytest.raises(astage.IntegrityError, match="cap"):
+        parse_prefix(fixed)
+    with pytest.raises(astage.IntegrityError, match="truncated"):
+        parse_prefix(MAGIC + struct.pack("<IQ", 1, 1000) + b"{}")
+
+
+def test_wrong_magic_and_version_are_named() -> None:
+    data = replica_bytes(SMALL)
+    with pytest.raises(astage.IntegrityError, match="magic"):
+        parse_prefix(b"PK\x03\x04" + data[4:])
+    with pytest.raises(astage.IntegrityError, match="version 2"):
+        parse_prefix(data[:8] + struct.pack("<I", 2) + data[12:])
+
+
+class _Boom:
+    ran = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (setattr, (_Boom, "ran", True))
+
+
+def _forge(header_json: bytes) -> bytes:
+    """A prefix around arbitrary header bytes with a correct checksum: a deliberate forgery."""
+    head = MAGIC + struct.pack("<IQ", 1, len(header_json)) + header_json
+    head += struct.pack("<I", crc32c.crc32c(head))
+    return head + bytes(-len(head) % ALIGNMENT)
+
+
+def test_a_pickle_payload_is_rejected_without_running() -> None:
+    payload = pickle.dumps({"tree": _Boom()})
+    with pytest.raises(astage.IntegrityError, match="JSON"):
+        parse_prefix(_forge(payload))
+    with pytest.raises(astage.IntegrityError):
+        parse_prefix(_forge(json.dumps({"pickle": payload.hex()}).encode()))
+    assert not _Boom.ran
+
+
+def _doc() -> dict[str, Any]:
+    data = replica_bytes({"w": torch.zeros(4), "pair": Point(1, torch.ones(2, dtype=torch.int64))})
+    length = struct.unpack_from("<Q", data, 12)[0]
+    doc: dict[str, Any] = json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])
+    return doc
+
+
+def _mutate(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    doc = _doc()
+    target: Any = doc
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return doc
+
+
+def _with_attrs(tag: str, attrs: Any) -> dict[str, Any]:
+    doc = _doc()
+    doc["tree"] = [tag, *doc["tree"][1:], attrs]
+    return doc
+
+
+_HOSTILE = {
+    "unknown key": {**_doc(), "extra": 1},
+    "missing key": {k: v for k, v in _doc().items() if k != "step"},
+    "format 2": _mutate(("format",), 2),
+    "owner as str": _mutate(("owner_rank",), "0"),
+    "negative holder": _mutate(("holder_rank",), -1),
+    "float step": _mutate(("step",), 1.0),
+    "bool step": _mutate(("step",), True),
+    "id not str": _mutate(("checkpoint_id",), ["x"]),
+    "created not float": _mutate(("created",), "now"),
+    "huge body": _mutate(("body_nbytes",), 2**62),
+    "misaligned storage": _mutate(("storages", 1, 0), 17),
+    "overlapping storage": _mutate(("storages", 1, 0), 0),
+    "storage past body": _mutate(("storages", 1, 1), 10**6),
+    "negative nbytes": _mutate(("storages", 0, 1), -16),
+    "crc too big": _mutate(("storages", 0, 2), 2**32),
+    "storage entry object": _mutate(("storages", 0), {"offset": 0, "nbytes": 16, "crc32c": 0}),
+    "storage index out of range": _mutate(("tensors", 0, 0), 5),
+    "dtype by import path": _mutate(("tensors", 0, 1), "torch.float32"),
+    "dtype object": _mutate(("tensors", 0, 1), "object"),
+    "dtype pickle reduce": _mutate(("tensors", 0, 1), "__reduce__"),
+    "dtype padded": _mutate(("tensors", 0, 1), "float32 "),
+    "too many dims": _mutate(("tensors", 0, 2), [1] * 65),
+    "absurd elements": _mutate(("tensors", 0), [0, "float32", [2**40, 2**40], [0, 0], 0, "tensor", False]),
+    "size past storage": _mutate(("tensors", 0, 2), [10**12]),
+    "negative size": _mutate(("tensors", 0, 2), [-4]),
+    "float size": _mutate(("tensors", 0, 2), [4.0]),
+    "stride rank mismatch": _mutate(("tensors", 0, 3), [1, 1]),
+    "negative stride": _mutate(("tensors", 0, 3), [-1]),
+    "stride past storage": _mutate(("tensors", 0, 3), [2]),
+    "offset past storage": _mutate(("tensors", 0, 4), 1),
+    "negative offset": _mutate(("tensors", 0, 4), -1),
+    "unknown kind": _mutate(("tensors", 0, 5), "dtensor"),
+    "grad on int": _mutate(("tensors", 1, 6), True),
+    "grad not bool": _mutate(("tensors", 0, 6), 1),
+    "bad dtensor note": _mutate(("tensors", 0), [0, "float32", [4], [1], 0, "tensor", False, []]),
+    "tensor index out of range": _mutate(("tree", 2, 0), ["tensor", 9]),
+    "tensor unreferenced": _mutate(("tree", 2, 0), 1),
+    "forward ref": _mutate(("tree", 2, 0), ["ref", 0]),
+    "unknown tag": _mutate(("tree", 0), "set"),
+    "eval tag": _mutate(("tree", 0), "eval"),
+    "object node": _mutate(("tree", 2, 0), {"__class__": "os.system"}),
+    "duplicate dict key": _mutate(("tree", 1), ["w", "w"]),
+    "container key": _mutate(("tree", 1, 0), ["list", []]),
+    "keys values mismatch": _mutate(("tree", 1), ["w"]),
+    "namedtuple dotted name": _mutate(("tree", 2, 1, 1), "os.system"),
+    "namedtuple keyword field": _mutate(("tree", 2, 1, 2), ["class", "y"]),
+    "namedtuple code field": _mutate(("tree", 2, 1, 2), ["x", "__import__('os')"]),
+    "namedtuple arity": _mutate(("tree", 2, 1, 3), [1]),
+    "bad float tag": _mutate(("tree", 2, 1, 3, 0), ["float", "1e999"]),
+    "attributes on a plain dict": _with_attrs("dict", {"a": 1}),
+    "dunder attribute": _with_attrs("odict", {"__class__": 1}),
+    "attribute not a name": _with_attrs("odict", {"a b": 1}),
+    "empty attributes": _with_attrs("odict", {}),
+    "attributes as a list": _with_attrs("odict", [["a", 1]]),
+}
+
+
+def _deep(depth: int) -> dict[str, Any]:
+    tree: Any = ["tensor", 1]
+    for _ in range(depth):
+        tree = ["list", [tree]]
+    doc = _doc()
+    doc["tree"][2][1] = tree
+    return doc
+
+
+@pytest.mark.parametrize("doc", list(_HOSTILE.values()), ids=list(_HOSTILE))
+def test_hostile_headers_are_rejected(doc: dict[str, Any]) -> None:
+    with pytest.raises(astage.IntegrityError):
+        parse_prefix(_forge(json.dumps(doc).encode()))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"[]",
+        b"not json",
+        b"\xff\xfe",
+        b'{"a": NaN}',
+        b'{"a": 1, "a": 2}',
+        b"[" * 100_000,
+        b"1" * 5000,
+        json.dumps(_deep(MAX_DEPTH + 5)).encode(),
+    ],
+    ids=[
+        "empty",
+        "array",
+        "garbage",
+        "bad utf-8",
+        "NaN",
+        "duplicate key",
+        "nesting",
+        "huge int",
+        "deep tree",
+    ],
+)
+def test_malformed_json_is_rejected(raw: bytes) -> None:
+    with pytest.raises(astage.IntegrityError):
+        parse_prefix(_forge(raw))
+
+
+def test_the_forgery_helper_makes_valid_prefixes() -> None:
+    assert parse_prefix(_forge(json.dumps(_doc()).encode())).num_tensors == 2
+    assert parse_prefix(_forge(json.dumps(_with_attrs("odict", {"_metadata": 1})).encode())).num_tensors == 2
+
+
+def test_nonzero_body_padding_is_rejected() -> None:
+    encoded = encode(SMALL, owner_rank=0, step=0, checkpoint_id="")
+    data = bytearray(b"".join(encoded.buffers()))
+    header = encoded.header
+    gap = header.prefix_nbytes + header.segments[0].offset + header.segments[0].nbytes
+    data[gap] = 1
+    with pytest.raises(astage.IntegrityError, match="padding"):
+        read(bytes(data))
+
+
+def test_decode_checks_its_body_argument() -> None:
+    header = encode(SMALL, owner_rank=0, step=0, checkpoint_id="").header
+    with pytest.raises(astage.ConfigurationError):
+        decode(header, torch.zeros(header.body_nbytes // 4, dtype=torch.float32))
+    with pytest.raises(astage.IntegrityError, match="body is"):
+        verify_body(header, torch.zeros(header.body_nbytes - 1, dtype=torch.uint8))
