@@ -3,8 +3,9 @@
 A replica is written to a unique temp file in its target directory
 (``.{final name}.astage-tmp.{32 hex digits}``, created with ``O_EXCL``, mode 0600), fsynced,
 renamed over its final name with :func:`os.replace`, and the directory is fsynced.  Blocking
-calls run in worker threads (``anyio.to_thread``, never abandoned on cancellation), in chunks
-of :data:`CHUNK_NBYTES`, so the event loop stays free and cancellation is prompt.
+calls run in worker threads, in chunks of :data:`CHUNK_NBYTES`, so the event loop stays free
+and cancellation is prompt: under asyncio through aiofiles' executor wrappers, under trio
+(where aiofiles cannot run) through ``anyio.to_thread`` (see :func:`blocking_io`).
 
 Invariants:
 
@@ -29,12 +30,15 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Literal, Self
+from typing import Any, Final, Literal, Self, TypeVar
 
+import aiofiles.os
 import anyio
+import anyio.lowlevel
+import sniffio
 import torch
 
 from ._errors import ClosedError, ConfigurationError, IntegrityError, PersistError
@@ -47,6 +51,8 @@ from ._format import (
     parse_prefix,
     prefix_nbytes,
 )
+
+T = TypeVar("T")
 
 log = logging.getLogger("astage.persist")
 
@@ -84,6 +90,24 @@ def is_temp_name(name: str) -> bool:
 
 
 # -- writing ------------------------------------------------------------------------------
+
+
+async def blocking_io(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter | None = None) -> T:
+    """Run a blocking file call in a worker thread and wait for it, even if cancelled.
+
+    Under asyncio this is aiofiles' executor wrapper; under any other anyio backend an anyio
+    worker thread (honouring ``limiter``).  Either way a cancellation is delivered only once
+    the call has returned, never while it may still touch a descriptor that cleanup would
+    close (and the OS could hand to another file).
+    """
+    if sniffio.current_async_library() == "asyncio":
+        # A pending cancellation is delivered before the call starts; once started, the
+        # call's result is always returned (a file it created must reach its cleanup).
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        with anyio.CancelScope(shield=True):
+            result: T = await aiofiles.os.wrap(fn)(*args)
+        return result
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -215,7 +239,7 @@ class ReplicaWriter:
 
     async def _run(self, step: _Step, fn: Any, *args: Any) -> Any:
         try:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            return await blocking_io(fn, *args, limiter=self._limiter)
         except BaseException as exc:
             await self.aclose()
             if isinstance(exc, OSError):
@@ -300,7 +324,7 @@ class ReplicaWriter:
         if fd is None and path is None:
             return
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_discard_file, fd, path, limiter=self._limiter)
+            await blocking_io(_discard_file, fd, path, limiter=self._limiter)
 
 
 async def write_replica(
@@ -443,7 +467,7 @@ async def load_replica(path: str | os.PathLike[str], *, limiter: anyio.CapacityL
         tampered anywhere.
     :raises OSError: the file cannot be opened or read.
     """
-    run = anyio.to_thread.run_sync
+    run = blocking_io
     f = await run(_ReplicaFile, Path(path), limiter=limiter)
     try:
         header, _ = await run(f.header, limiter=limiter)
