@@ -14,6 +14,7 @@ caller's compute stream, and completion is an event the caller awaits from the l
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,12 +50,18 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+Pairs = list[tuple[torch.Tensor, torch.Tensor, int]]
+
+
 def iter_pairs(
     source: PlannedSource,
     dst_storages: Sequence[torch.UntypedStorage],
     staged_locals: Sequence[torch.Tensor],
-) -> Steps[list[tuple[torch.Tensor, torch.Tensor, int]]]:
-    """One ``(dst, src, nbytes)`` per distinct non-empty storage, in time slices."""
+) -> Steps[tuple[Pairs, Pairs]]:
+    """One ``(dst, src, nbytes)`` per distinct non-empty storage, in time slices.
+
+    :returns: the pairs whose source is on the CPU, and those whose source is on a device.
+    """
     plan = source.plan
     cover: list[int | None] = [None] * len(plan.storages)
     deadline = clock() + SLICE_SECONDS
@@ -72,10 +79,12 @@ def iter_pairs(
         if clock() > deadline:
             yield
             deadline = clock() + SLICE_SECONDS
-    pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    host: Pairs = []
+    device: Pairs = []
     for s, storage_spec in enumerate(plan.storages):
         if storage_spec.nbytes == 0:
             continue
+        pairs = host if storage_spec.device.type == "cpu" else device
         covering = cover[s]
         if covering is not None:
             pairs.append((staged_locals[covering], source.tensors[covering], storage_spec.nbytes))
@@ -84,7 +93,7 @@ def iter_pairs(
         if clock() > deadline:
             yield
             deadline = clock() + SLICE_SECONDS
-    return pairs
+    return host, device
 
 
 def iter_batches(
@@ -125,19 +134,38 @@ def run_batch(batch: Batch, non_blocking: bool = False) -> None:
 
 
 async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.CapacityLimiter | None) -> None:
-    """Run every batch in a worker thread, one after another.
+    """Run every batch, in order, in one worker-thread call.
 
-    Not abandoned on cancellation: the running batch finishes (a few ms) before the
-    cancellation is delivered, so no thread writes into a buffer after this returns.
+    One call rather than one per batch: a hand-off per 16 MiB left the copy idle between
+    batches (~15 % of a 1.5 GB stage).  On cancellation the thread is told to stop after
+    the batch it is copying, and this waits for that (a few ms) before the cancellation
+    propagates, so no thread writes into a buffer after this returns.
     """
-    for batch in plan_batches:
-        await anyio.to_thread.run_sync(_run_boxed, [batch], limiter=limiter)
+    stop, started, done = threading.Event(), threading.Event(), threading.Event()
+    # An idle worker thread keeps its last call's arguments alive: the batches travel in a
+    # box emptied by the thread, so a parked thread cannot pin staged tensors.
+    box = [list(plan_batches)]
 
+    def work() -> None:
+        started.set()
+        try:
+            for batch in box.pop():
+                if stop.is_set():  # checked after `started` is set: see below
+                    return
+                run_batch(batch)
+        finally:
+            done.set()
 
-def _run_boxed(box: list[Batch]) -> None:
-    # An idle worker thread keeps its last call's arguments alive; passing the batch in a
-    # box that is emptied here keeps staged tensors from being pinned by a parked thread.
-    run_batch(box.pop())
+    try:
+        await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+    except BaseException:
+        stop.set()
+        # If the thread has not started yet it will see `stop` before touching anything;
+        # if it has, wait for the batch it is copying.
+        if started.is_set():
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(done.wait)
+        raise
 
 
 def enqueue_device_copies(plan_batches: list[Sequence[Batch]], side_stream: Any, compute_stream: Any) -> Any:
@@ -145,7 +173,7 @@ def enqueue_device_copies(plan_batches: list[Sequence[Batch]], side_stream: Any,
 
     The side stream first waits for ``compute_stream`` so it never copies stale data.
     Blocking only for the enqueueing: run it in a worker thread for big state_dicts.
-    ``plan_batches`` is a one-element box, emptied here (see :func:`_run_boxed`).
+    ``plan_batches`` is a one-element box, emptied here (see :func:`copy_in_threads`).
     """
     side_stream.wait_stream(compute_stream)
     with side_stream:

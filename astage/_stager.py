@@ -17,13 +17,17 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import logging
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import torch
 
 from ._copy import Batch, copy_in_threads, enqueue_device_copies, iter_batches, iter_pairs, run_batch
@@ -35,6 +39,11 @@ from ._pool import BufferKind, BufferPool, Lease, PoolStats
 from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps
 
 log = logging.getLogger("astage.stager")
+
+# anyio imports its asyncio backend on first use; importing it now keeps that (tens of ms)
+# off the event loop during the first stage.
+with contextlib.suppress(ImportError):
+    importlib.import_module("anyio._backends._asyncio")
 
 
 @runtime_checkable
@@ -201,9 +210,7 @@ class DefaultStager:
         handed_out = False
         try:
             staged_locals: list[torch.Tensor] = await self._run(_iter_locals(plan, lease.storages))
-            pairs = await self._run(iter_pairs(source, lease.storages, staged_locals))
-            host = [p for p in pairs if p[1].device.type == "cpu"]
-            device = [p for p in pairs if p[1].device.type != "cpu"]
+            host, device = await self._run(iter_pairs(source, lease.storages, staged_locals))
             if device:
                 await self._copy_from_device(await self._run(iter_batches(device)))
             if host:
