@@ -1,0 +1,239 @@
+"""Helpers shared by the benchmarks: state_dict builders, timing, loop lag, peak RSS, tables.
+
+Every benchmark compares astage with a ceiling and with torch on the same inputs, so the
+inputs are built here once: a GPT-2-small-shaped model with Adam state and a tree of many
+small tensors.  Sizes take a ``scale`` (1.0 = the sizes the issues name) so the same code
+serves a smoke test and a full run.  Memory is measured as the growth of the process's
+peak RSS over a baseline, so that building the inputs does not count against a method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import resource
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+
+SCALE_ENV = "ASTAGE_BENCH_SCALE"
+"""Environment variable holding the default size scale (1.0 = full size)."""
+
+
+def default_scale() -> float:
+    """The size scale from :data:`SCALE_ENV`, or 1.0."""
+    return float(os.environ.get(SCALE_ENV, "1.0"))
+
+
+# -- state_dicts --------------------------------------------------------------------------
+
+
+def _filled(*shape: int, value: float) -> torch.Tensor:
+    # fill_ touches every page without the temporaries of randn, so building the input
+    # does not raise the peak RSS above what the input itself holds.
+    return torch.empty(*shape).fill_(value)
+
+
+def gpt2_adam_state_dict(scale: float = 1.0) -> dict[str, Any]:
+    """A GPT-2-small-shaped checkpoint: fp32 weights plus Adam ``exp_avg``/``exp_avg_sq``/``step``.
+
+    At ``scale=1`` the shapes are GPT-2 small's (124M parameters, ~1.5 GB with Adam state);
+    other scales keep the 12 blocks and shrink width, vocabulary and context by
+    ``sqrt(scale)``, so bytes scale linearly and the tensor count stays the same.
+    ``lm_head.weight`` is tied to ``transformer.wte.weight`` (one storage, as in GPT-2).
+    """
+    k = math.sqrt(scale)
+    d = max(8, round(768 * k / 8) * 8)
+    vocab, ctx = max(16, round(50257 * k)), max(8, round(1024 * k))
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (vocab, d),
+        "transformer.wpe.weight": (ctx, d),
+    }
+    for i in range(12):
+        p = f"transformer.h.{i}."
+        shapes |= {
+            p + "ln_1.weight": (d,),
+            p + "ln_1.bias": (d,),
+            p + "attn.c_attn.weight": (d, 3 * d),
+            p + "attn.c_attn.bias": (3 * d,),
+            p + "attn.c_proj.weight": (d, d),
+            p + "attn.c_proj.bias": (d,),
+            p + "ln_2.weight": (d,),
+            p + "ln_2.bias": (d,),
+            p + "mlp.c_fc.weight": (d, 4 * d),
+            p + "mlp.c_fc.bias": (4 * d,),
+            p + "mlp.c_proj.weight": (4 * d, d),
+            p + "mlp.c_proj.bias": (d,),
+        }
+    shapes |= {"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)}
+    model = {name: _filled(*shape, value=0.01) for name, shape in shapes.items()}
+    model["lm_head.weight"] = model["transformer.wte.weight"]
+    state = {
+        i: {
+            "step": torch.tensor(100.0),
+            "exp_avg": _filled(*shape, value=1e-3),
+            "exp_avg_sq": _filled(*shape, value=1e-6),
+        }
+        for i, shape in enumerate(shapes.values())
+    }
+    group = {"lr": 6e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
+    return {"model": model, "optim": {"state": state, "param_groups": [group | {"params": list(state)}]}}
+
+
+def small_tensors_state_dict(scale: float = 1.0, count: int = 20_000) -> dict[str, Any]:
+    """``count * scale`` fp32 tensors of 16-256 elements, 200 to a sub-dict."""
+    n = max(10, round(count * scale))
+    sizes = torch.randint(16, 257, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    tree: dict[str, Any] = {}
+    for i, size in enumerate(sizes):
+        tree.setdefault(f"layer{i // 200:03d}", {})[f"p{i % 200:03d}"] = _filled(size, value=float(i))
+    return tree
+
+
+def iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor leaf of nested dicts, lists and tuples, in order (repeats included)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from iter_tensors(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from iter_tensors(value)
+
+
+def distinct_storages(tree: Any) -> list[torch.Tensor]:
+    """One tensor per distinct storage (tied weights count once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in iter_tensors(tree):
+        seen.setdefault(t.untyped_storage().data_ptr(), t)
+    return list(seen.values())
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes held by the distinct storages of ``tree``: what a stage has to copy."""
+    return sum(t.untyped_storage().nbytes() for t in distinct_storages(tree))
+
+
+# -- statistics ---------------------------------------------------------------------------
+
+clock = time.perf_counter
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, or NaN for no values."""
+    return statistics.median(values) if values else math.nan
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank), or NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+# -- event-loop lag -----------------------------------------------------------------------
+
+
+class LoopLag:
+    """Measure event-loop lag while the block runs: a heartbeat task sleeping ``period``.
+
+    Each wake-up records ``actual - expected`` in seconds in :attr:`samples`; a heartbeat
+    still overdue when the block ends (the loop was blocked until then) records its lag too.
+    """
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.samples: list[float] = []
+        self._expected: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def _beat(self) -> None:
+        while True:
+            self._expected = clock() + self.period
+            await asyncio.sleep(self.period)
+            self.samples.append(clock() - self._expected)
+            self._expected = None
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._beat())
+        await asyncio.sleep(0)  # let the heartbeat start before the measured work
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._expected is not None and clock() > self._expected:
+            self.samples.append(clock() - self._expected)
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def idle_lag(seconds: float = 0.3) -> list[float]:
+    """Lag samples of an idle loop: the floor the measured lags sit on."""
+    async with LoopLag() as lag:
+        await asyncio.sleep(seconds)
+    return lag.samples
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            found = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+class PeakRss:
+    """Growth of this process's peak RSS since construction, in bytes.
+
+    On Linux the kernel's peak (``VmHWM``) is reset first, so a method run after other work
+    in the same process is charged only for what it adds over the current RSS; elsewhere
+    ``ru_maxrss`` is used and the method should run in a fresh process.
+    """
+
+    def __init__(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "5" resets the peak RSS to the current RSS
+        except OSError:
+            pass
+        self._base = _status_kib("VmRSS") or self._maxrss_kib()
+
+    @staticmethod
+    def _maxrss_kib() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def growth(self) -> int:
+        """Bytes the peak RSS rose above the RSS at construction."""
+        peak = _status_kib("VmHWM") or self._maxrss_kib()
+        return max(0, peak - self._base) * 1024
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
