@@ -9,6 +9,7 @@ from ._errors import CapacityError as CapacityError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigurationError as ConfigurationError
 from ._errors import IntegrityError as IntegrityError
+from ._errors import PeerReportedError as PeerReportedError
 from ._errors import PeerTimeoutError as PeerTimeoutError
 from ._errors import PersistError as PersistError
 from ._errors import ResourceError as ResourceError
@@ -24,6 +25,9 @@ from ._persist import sweep_stale_temps as sweep_stale_temps
 from ._pool import BufferKind as BufferKind
 from ._pool import BufferPool as BufferPool
 from ._pool import PoolStats as PoolStats
+from ._replication import ReplicationResult as ReplicationResult
+from ._replication import ReplicationStager as ReplicationStager
+from ._replication import ReplicationStats as ReplicationStats
 from ._stager import AsyncStager as AsyncStager
 from ._stager import BlockingStager as BlockingStager
 from ._stager import DefaultStager as DefaultStager
@@ -42,10 +46,14 @@ __all__ = [
     "ConfigurationError",
     "DefaultStager",
     "IntegrityError",
+    "PeerReportedError",
     "PeerTimeoutError",
     "PersistError",
     "PoolStats",
     "ReplicaInfo",
+    "ReplicationResult",
+    "ReplicationStager",
+    "ReplicationStats",
     "ResourceError",
     "StageStats",
     "StagingOptions",

@@ -79,6 +79,13 @@ class TransportError(AstageError):
     """Exchanging state with a peer rank failed."""
 
 
+class PeerReportedError(TransportError):
+    """The peer took part in the exchange but reports that it could not keep our replica.
+
+    The process group is still healthy; the message carries the peer's reason.
+    """
+
+
 class PeerTimeoutError(TransportError, TimeoutError):
     """A peer did not complete its part of the exchange within the timeout."""
 

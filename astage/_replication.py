@@ -1,0 +1,460 @@
+"""ReplicationStager: keep a durable copy of a peer rank's state on this rank's disk.
+
+Each ``replicate()`` stages this rank's state (the core machinery), lays it out in the
+replica format, exchanges it with the ring peers over ``torch.distributed`` (send to
+``(r + k) % W``, receive from ``(r - k) % W``), streams the received replica to a temp file
+as its chunks land, verifies it, makes it durable (fsync, atomic replace, directory fsync),
+and then both sides acknowledge, so that neither reports success unless its peer holds
+its replica durably.
+
+Invariants:
+
+* Calls are serialised per stager: the ranks' messages of one call never interleave with
+  another's.  Every rank of the group must call ``replicate`` the same number of times.
+* The whole call honours ``timeout``: a peer that dies or hangs is an astage error within
+  ``timeout`` (plus the time to break the group), never a hang, and never a partial or
+  unverified replica under its final name (the previous one stays).
+* After a transport failure the process group is unusable (see ``astage._transport``);
+  the stager refuses further exchanges with a clear error, while its local staging works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from . import _transport
+from ._errors import (
+    ClosedError,
+    ConfigurationError,
+    IntegrityError,
+    PeerReportedError,
+    PersistError,
+    TransportError,
+)
+from ._format import Encoded, ReplicaHeader, byte_view, decode, encode, parse_prefix, verify_body
+from ._options import StagingOptions
+from ._persist import ReplicaWriter, blocking_io, replica_path, sweep_stale_temps
+from ._stager import DefaultStager, StageStats
+
+log = logging.getLogger("astage.replication")
+
+DEFAULT_MAX_REPLICA_BYTES = 1 << 40
+"""Largest replica accepted from a peer unless told otherwise (checked before allocating)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationStats:
+    """What one ``replicate()`` did, by phase (seconds) and volume (bytes)."""
+
+    stage: StageStats | None
+    encode_seconds: float
+    exchange: _transport.ExchangeStats
+    persist_seconds: float
+    ack_seconds: float
+    seconds: float
+
+    @property
+    def bytes_sent(self) -> int:
+        """Replica bytes sent to the peer."""
+        return self.exchange.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Replica bytes received from the peer."""
+        return self.exchange.bytes_received
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationResult:
+    """The outcome of one ``replicate()``.
+
+    :ivar staged: this rank's own staged copy (release it with the stager when done).
+    :ivar replica_path: where the peer's replica now lies, durable.
+    :ivar replica_header: the validated header of the received replica.
+    :ivar send_to: the rank (group rank space) that holds our replica.
+    :ivar recv_from: the rank whose replica we hold.
+    """
+
+    staged: Any
+    replica_path: Path
+    replica_header: ReplicaHeader
+    send_to: int
+    recv_from: int
+    stats: ReplicationStats
+    _body: torch.Tensor = dataclasses.field(repr=False)
+
+    @functools.cached_property
+    def replica(self) -> Any:
+        """The peer's state_dict, rebuilt over the received bytes (verified; CPU)."""
+        return decode(self.replica_header, self._body)
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.perf_counter(), 1e-3)
+
+
+def _seconds(timeout: float | timedelta) -> float:
+    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not value > 0:
+        raise ConfigurationError(f"timeout must be positive, got {timeout!r}")
+    return value
+
+
+class ReplicationStager:
+    """Stage, exchange with a ring peer, and persist the peer's replica durably.
+
+    ::
+
+        async with astage.ReplicationStager(storage_dir="/local/replicas", timeout=60) as rs:
+            result = await rs.replicate(model.state_dict(), step=step)
+            result.replica_path          # the peer's state, durable on this rank's disk
+
+    ``await rs.stage(sd)`` does the same and returns this rank's staged copy, so a
+    ReplicationStager is usable wherever an :class:`AsyncStager` is.
+
+    :param process_group: the group to replicate in (default: the default group); ranks are
+        taken in its rank space, so subgroups work.
+    :param storage_dir: where received replicas are kept (created 0700).
+    :param timeout: seconds (or a timedelta) for one whole exchange.
+    :param peer_offset: ring step k (default ``W // 2``).
+    :param stager: the stager for this rank's state (default: a DefaultStager it owns).
+    :param options: options for the default stager.
+    :param max_replica_bytes: largest replica accepted from a peer.
+    :param chunk_bytes: size of the body messages sent.
+    :raises ConfigurationError: no initialised process group, a group of one rank, a bad
+        offset, timeout or size.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        storage_dir: str | os.PathLike[str],
+        timeout: float | timedelta = 300.0,
+        peer_offset: int | None = None,
+        stager: DefaultStager | None = None,
+        options: StagingOptions | None = None,
+        max_replica_bytes: int = DEFAULT_MAX_REPLICA_BYTES,
+        chunk_bytes: int = _transport.CHUNK_BYTES,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigurationError("ReplicationStager needs an initialised torch.distributed process group")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.send_to, self.recv_from = _transport.ring_peers(self.rank, self.world_size, peer_offset)
+        self.storage_dir = Path(storage_dir)
+        self.timeout = _seconds(timeout)
+        if max_replica_bytes <= 0:
+            raise ConfigurationError(f"max_replica_bytes must be positive, got {max_replica_bytes}")
+        self.max_replica_bytes = max_replica_bytes
+        self.chunk_bytes = chunk_bytes
+        self._owns_stager = stager is None
+        self.stager = stager if stager is not None else DefaultStager(options)
+        self._lock: anyio.Lock | None = None
+        self._started = False
+        self._broken: BaseException | None = None
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.storage_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        swept = await blocking_io(sweep_stale_temps, self.storage_dir)
+        if swept:
+            log.info("swept %d stale temp file(s) from %s", len(swept), self.storage_dir)
+
+    async def aclose(self) -> None:
+        """Close the stager it owns (replicas on disk are kept); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_stager:
+            await self.stager.aclose()
+
+    # -- replicating --------------------------------------------------------------------------
+
+    async def stage(self, state_dict: Any) -> Any:
+        """Replicate ``state_dict`` (see :meth:`replicate`) and return this rank's staged copy."""
+        return (await self.replicate(state_dict)).staged
+
+    async def replicate(
+        self, state_dict: Any, *, step: int = 0, checkpoint_id: str | None = None
+    ) -> ReplicationResult:
+        """Stage ``state_dict``, exchange it with the peers, persist the peer's replica.
+
+        :raises UnsupportedInputError: a value that cannot be staged or replicated (key path).
+        :raises PeerTimeoutError: the exchange did not finish within ``timeout``.
+        :raises TransportError: the peer failed, or reports that it could not persist ours.
+        :raises IntegrityError: the peer's replica is malformed or corrupt.
+        :raises PersistError: the peer's replica could not be written; the previous is kept.
+        :raises ClosedError: the stager is closed.
+        """
+        self._check_usable()
+        staged = await self.stager.stage(state_dict)
+        try:
+            return await self._replicate(staged, step, checkpoint_id, self.stager.last_stats)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.stager.release(staged)
+            raise
+
+    async def replicate_staged(
+        self, staged: Any, *, step: int = 0, checkpoint_id: str | None = None
+    ) -> ReplicationResult:
+        """Like :meth:`replicate` for a state_dict that is already staged (CPU tensors).
+
+        ``staged`` must not change until this returns.
+        """
+        self._check_usable()
+        return await self._replicate(staged, step, checkpoint_id, None)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError("replicate() called on a closed ReplicationStager")
+        if self._broken is not None:
+            raise TransportError(
+                "an earlier exchange failed and broke the process group; destroy it, create a new "
+                f"one and a new ReplicationStager (earlier failure: {self._broken})"
+            )
+
+    async def _replicate(
+        self, staged: Any, step: int, checkpoint_id: str | None, stage_stats: StageStats | None
+    ) -> ReplicationResult:
+        await self._start()
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            self._check_usable()
+            started = time.perf_counter()
+            deadline = started + self.timeout
+            ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
+            encoded: Encoded = await anyio.to_thread.run_sync(
+                functools.partial(
+                    encode,
+                    staged,
+                    owner_rank=self.rank,
+                    holder_rank=self.send_to,
+                    step=step,
+                    checkpoint_id=ckpt,
+                )
+            )
+            encoded_at = time.perf_counter()
+            path = replica_path(self.storage_dir, owner_rank=self.recv_from, holder_rank=self.rank)
+            sink = _StreamingSink(path, self.recv_from)
+            try:
+                try:
+                    received = await _transport.exchange(
+                        self.process_group,
+                        _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),
+                        send_to=self.send_to,
+                        recv_from=self.recv_from,
+                        timeout=_remaining(deadline),
+                        max_body_bytes=self.max_replica_bytes,
+                        chunk_bytes=self.chunk_bytes,
+                        on_prefix=sink.on_prefix,
+                        on_chunk=sink.on_chunk,
+                    )
+                    persist_started = time.perf_counter()
+                    header = await sink.finish(received)
+                except Exception as exc:
+                    if isinstance(exc, TransportError) or not sink.exchanged:
+                        raise
+                    # The group is healthy: tell the peer its replica is not kept, then fail.
+                    with contextlib.suppress(TransportError):
+                        await self._ack(False, f"rank {self.rank} could not keep it: {exc}", deadline)
+                    raise
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await sink.writer.aclose()
+                acked = time.perf_counter()
+                await self._ack(True, "", deadline)
+            except BaseException as exc:
+                # The group stays usable only when both sides finished the protocol: the peer
+                # reported a failure, or we did (after the exchange) and told the peer.  A
+                # transport failure or a cancellation mid-protocol leaves it out of step.
+                completed = isinstance(exc, PeerReportedError) or (
+                    sink.exchanged and isinstance(exc, Exception) and not isinstance(exc, TransportError)
+                )
+                if not completed:
+                    self._broken = exc
+                raise
+            done = time.perf_counter()
+        stats = ReplicationStats(
+            stage=stage_stats,
+            encode_seconds=encoded_at - started,
+            exchange=received.stats,
+            persist_seconds=acked - persist_started,
+            ack_seconds=done - acked,
+            seconds=done - started,
+        )
+        log.debug(
+            "replicated step %d: sent %d bytes to rank %d, holding rank %d's %d bytes at %s in %.3fs",
+            step,
+            stats.bytes_sent,
+            self.send_to,
+            self.recv_from,
+            stats.bytes_received,
+            path,
+            stats.seconds,
+        )
+        return ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats, received.body)
+
+    async def recover(self) -> Any | None:
+        """Get this rank's own state back from the peer that holds its replica.
+
+        Collective: every rank of the group calls it at the same time (a restarted rank
+        and its healthy peers alike).  Each rank sends the replica it holds back to its
+        owner and receives its own from its holder.
+
+        :returns: this rank's last replicated state_dict (CPU), or ``None`` when the holder
+            has no valid replica of it.
+        :raises IntegrityError: the replica received is corrupt or not this rank's.
+        :raises PeerTimeoutError: the exchange did not finish within ``timeout``.
+        :raises TransportError: a peer failed.
+        """
+        self._check_usable()
+        await self._start()
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            held = replica_path(self.storage_dir, owner_rank=self.recv_from, holder_rank=self.rank)
+            found = await blocking_io(_read_replica_file, held)
+            prefix, segments, nbytes = (
+                (found[0], ((0, found[1]),), found[1].numel()) if found else (b"", (), 0)
+            )
+            try:
+                received = await _transport.exchange(
+                    self.process_group,
+                    _transport.Payload(prefix, segments, nbytes),
+                    send_to=self.recv_from,
+                    recv_from=self.send_to,
+                    timeout=self.timeout,
+                    max_body_bytes=self.max_replica_bytes,
+                    chunk_bytes=self.chunk_bytes,
+                )
+            except TransportError as exc:
+                self._broken = exc
+                raise
+        if not received.prefix:
+            return None
+        header = parse_prefix(received.prefix)
+        if header.owner_rank != self.rank:
+            raise IntegrityError(
+                f"rank {self.send_to} sent back rank {header.owner_rank}'s replica, not ours"
+            )
+        return await anyio.to_thread.run_sync(decode, header, received.body)
+
+    async def _ack(self, ok: bool, message: str, deadline: float) -> None:
+        await _transport.exchange_ack(
+            self.process_group,
+            ok,
+            send_to=self.send_to,
+            recv_from=self.recv_from,
+            timeout=_remaining(deadline),
+            message=message,
+        )
+
+
+def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
+    """A held replica's prefix and body, verified; ``None`` if missing or invalid."""
+    from ._format import FIXED_PREFIX_NBYTES, prefix_nbytes
+
+    try:
+        size = path.stat().st_size
+        if size < FIXED_PREFIX_NBYTES:
+            raise IntegrityError(f"{path} is truncated")
+        data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+        n = prefix_nbytes(byte_view(data[:FIXED_PREFIX_NBYTES]))
+        prefix = bytes(byte_view(data[:n]))
+        header = parse_prefix(prefix)
+        body = data[n:]
+        verify_body(header, body)
+    except FileNotFoundError:
+        return None
+    except (OSError, IntegrityError) as exc:
+        log.warning("not sending the replica at %s back: %s", path, exc)
+        return None
+    return prefix, body
+
+
+class _StreamingSink:
+    """Writes a replica to its temp file as the transport delivers it.
+
+    The prefix is validated as soon as it lands and each body chunk is written while the
+    next ones are still on the wire, so persisting overlaps receiving.  A disk error does
+    not abort the transfer (that would break the group): the rest is drained and the error
+    raised by :meth:`finish`, after which the peer is told.  Nothing is renamed into place
+    before the whole body has been verified against its checksums.
+    """
+
+    def __init__(self, path: Path, owner_rank: int) -> None:
+        self.writer = ReplicaWriter(path)
+        self.owner_rank = owner_rank
+        self.header: ReplicaHeader | None = None
+        self.error: BaseException | None = None
+        self.exchanged = False
+
+    async def on_prefix(self, prefix: bytes) -> None:
+        header = parse_prefix(prefix)  # IntegrityError here aborts the transfer: a bad peer
+        if header.owner_rank != self.owner_rank:
+            raise IntegrityError(
+                f"expected rank {self.owner_rank}'s replica, the header says rank {header.owner_rank}"
+            )
+        self.header = header
+        await self._write(memoryview(prefix), open_first=True)
+
+    async def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
+        await self._write(byte_view(chunk))
+
+    async def _write(self, data: memoryview, *, open_first: bool = False) -> None:
+        if self.error is not None:
+            return
+        try:
+            if open_first:
+                await self.writer.open()
+            await self.writer.write(data)
+        except PersistError as exc:
+            self.error = exc
+
+    async def finish(self, received: _transport.Received) -> ReplicaHeader:
+        """Verify the whole replica, then make it durable; raise what went wrong."""
+        self.exchanged = True
+        if self.error is not None:
+            raise self.error
+        header = self.header if self.header is not None else parse_prefix(received.prefix)
+        await anyio.to_thread.run_sync(verify_body, header, received.body)
+        if self.header is None:  # an empty body: nothing was streamed
+            await self.writer.open()
+            await self.writer.write(memoryview(received.prefix))
+        await self.writer.commit()
+        return header

@@ -1,0 +1,195 @@
+"""ReplicationStager over real gloo groups: rings of 2, 3 and 4 ranks, a subgroup, faults."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.distributed as dist
+
+import astage
+from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError
+from astage._persist import is_temp_name, replica_path
+from tests.distributed import kill_self, run_group, stop_self
+from tests.statedicts import bytes_equal, storage_key
+
+TIMEOUT = 4.0
+
+
+def state_of(rank: int, size: int = 1000) -> dict[str, Any]:
+    """A rank's distinctive state: aliasing, a Parameter, JSON leaves, several dtypes."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    base = torch.randn(size, generator=gen)
+    return {
+        "model": {
+            "w": base.view(10, size // 10),
+            "w_t": base.view(10, size // 10).t(),
+            "p": torch.nn.Parameter(torch.randn(7, generator=gen)),
+            "ids": torch.arange(rank, rank + 5),
+            "half": torch.randn(3, generator=gen).to(torch.bfloat16),
+        },
+        "meta": {"rank": rank, "lr": 0.5, "name": f"r{rank}", "tags": [1, None, True]},
+    }
+
+
+def same_state(got: Any, want: Any) -> bool:
+    if isinstance(want, torch.Tensor):
+        return bytes_equal(got, want) and got.stride() == want.stride()
+    if isinstance(want, dict):
+        return list(got) == list(want) and all(same_state(got[k], want[k]) for k in want)
+    if isinstance(want, list | tuple):
+        return len(got) == len(want) and all(same_state(a, b) for a, b in zip(got, want, strict=True))
+    return bool(got == want)
+
+
+async def ring_target(rank: int, world: int, root: str, subgroup: list[int] | None) -> dict[str, Any]:
+    group = dist.new_group(subgroup) if subgroup else None
+    if subgroup and rank not in subgroup:
+        return {"skipped": True}
+    grank = dist.get_rank(group)
+    storage = Path(root) / f"rank{rank}"
+    async with astage.ReplicationStager(group, storage_dir=storage, timeout=30) as rs:
+        result = await rs.replicate(state_of(grank), step=3)
+        replica = result.replica
+        loaded = await astage.load_replica(result.replica_path)
+        own_ok = same_state(result.staged, state_of(grank))
+        listed = astage.find_replicas(storage)
+    gsize = dist.get_world_size(group)
+    peer = (grank - gsize // 2) % gsize
+    return {
+        "recv_from": result.recv_from,
+        "expected_peer": peer,
+        "replica_ok": same_state(replica, state_of(peer)),
+        "loaded_ok": same_state(loaded, state_of(peer)),
+        "aliased": storage_key(replica["model"]["w"]) == storage_key(replica["model"]["w_t"]),
+        "own_ok": own_ok,
+        "mode": oct(os.stat(result.replica_path).st_mode & 0o777),
+        "listed": [(i.owner_rank, i.holder_rank, i.step) for i in listed],
+        "owner": result.replica_header.owner_rank,
+        "grank": grank,
+    }
+
+
+@pytest.mark.parametrize(("world", "subgroup"), [(2, None), (3, None), (4, None), (4, [1, 2, 3])])
+def test_every_rank_holds_exactly_its_ring_peers_replica(
+    tmp_path: Path, world: int, subgroup: list[int] | None
+) -> None:
+    results = run_group(world, ring_target, str(tmp_path), subgroup, timeout=90)
+    members = [r.unwrap() for r in results if not r.unwrap().get("skipped")]
+    assert len(members) == (len(subgroup) if subgroup else world)
+    for value in members:
+        assert value["recv_from"] == value["expected_peer"] == value["owner"]
+        assert value["replica_ok"]
+        assert value["loaded_ok"]
+        assert value["aliased"]
+        assert value["own_ok"]
+        assert value["mode"] == "0o600"
+        assert value["listed"] == [(value["recv_from"], value["grank"], 3)]
+
+
+async def single_rank_target(rank: int, world: int, root: str) -> str:
+    try:
+        astage.ReplicationStager(storage_dir=root)
+    except ConfigurationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_group_of_one_is_a_configuration_error(tmp_path: Path) -> None:
+    (result,) = run_group(1, single_rank_target, str(tmp_path))
+    assert "at least 2 ranks" in result.unwrap()
+
+
+def test_without_a_process_group_it_is_a_configuration_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="process group"):
+        astage.ReplicationStager(storage_dir=tmp_path)
+
+
+async def fault_target(rank: int, world: int, root: str, fault: str) -> dict[str, Any]:
+    storage = Path(root) / f"rank{rank}"
+    async with astage.ReplicationStager(storage_dir=storage, timeout=TIMEOUT, chunk_bytes=1 << 20) as rs:
+        first = await rs.replicate(state_of(rank), step=1)
+        before = first.replica_path.read_bytes()
+        big = {"x": torch.full((48 << 20,), float(rank))}  # 192 MB: several chunks in flight
+        if rank == 1:
+            if fault == "kill":
+
+                async def die() -> None:
+                    await anyio.sleep(0.05)
+                    kill_self()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(die)
+                    await rs.replicate(big, step=2)
+            elif fault == "stop":
+                stop_self()
+            elif fault == "persist":
+                target = replica_path(storage, owner_rank=0, holder_rank=1)
+                target.unlink()
+                target.mkdir()  # os.replace onto a directory fails for real
+                try:
+                    await rs.replicate(state_of(rank), step=2)
+                except PersistError as exc:
+                    return {"error": type(exc).__name__, "message": str(exc)}
+                return {"error": None}
+        started = time.monotonic()
+        try:
+            await rs.replicate(big if fault != "persist" else state_of(rank), step=2)
+        except TransportError as exc:
+            error: BaseException = exc
+        else:
+            return {"error": None}
+        elapsed = time.monotonic() - started
+        after = first.replica_path.read_bytes()
+        leftovers = [p.name for p in storage.iterdir() if is_temp_name(p.name)]
+        return {
+            "error": type(error).__name__,
+            "message": str(error),
+            "elapsed": elapsed,
+            "previous_intact": after == before,
+            "leftovers": leftovers,
+        }
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_dead_or_frozen_peer_is_an_error_within_the_timeout(tmp_path: Path, fault: str) -> None:
+    survivor, victim = run_group(2, fault_target, str(tmp_path), fault, timeout=60)
+    assert victim.killed if fault == "kill" else victim.stopped
+    value = survivor.unwrap()
+    assert value["error"] in {"TransportError", "PeerTimeoutError"}, value
+    assert value["elapsed"] < TIMEOUT + 1.0, value
+    assert value["previous_intact"]
+    assert value["leftovers"] == []
+
+
+def test_when_the_receiver_cannot_persist_both_sides_fail(tmp_path: Path) -> None:
+    sender, receiver = run_group(2, fault_target, str(tmp_path), "persist", timeout=60)
+    assert receiver.unwrap()["error"] == "PersistError"
+    sent = sender.unwrap()
+    assert sent["error"] == "PeerReportedError"
+    assert "could not keep it" in sent["message"]
+
+
+async def recover_target(rank: int, world: int, root: str) -> Any:
+    storage = Path(root) / f"rank{rank}"
+    async with astage.ReplicationStager(storage_dir=storage, timeout=30) as rs:
+        await rs.replicate(state_of(rank), step=5)
+    # "Restart": a new stager, as after a process restart, gets its state back from the peer.
+    async with astage.ReplicationStager(storage_dir=storage, timeout=30) as rs:
+        recovered = await rs.recover()
+    return same_state(recovered, state_of(rank))
+
+
+def test_a_restarted_rank_gets_its_state_back_from_its_peer(tmp_path: Path) -> None:
+    results = run_group(3, recover_target, str(tmp_path), timeout=90)
+    assert [r.unwrap() for r in results] == [True, True, True]
+
+
+def test_peer_timeout_error_is_a_transport_error() -> None:
+    assert issubclass(PeerTimeoutError, TransportError)
+    assert issubclass(astage.PeerReportedError, TransportError)
