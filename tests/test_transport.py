@@ -16,7 +16,6 @@ import anyio
 import pytest
 import torch
 import torch.distributed as dist
-from tests.distributed import RankResult, kill_self, run_group, stop_self
 
 import astage
 from astage._slices import drive
@@ -36,6 +35,7 @@ from astage._transport import (
     send,
     send_ack,
 )
+from tests.distributed import RankResult, kill_self, run_group, stop_self
 
 SMALL_CHUNK = 64 << 10
 KINDS = ("tiny", "big", "sparse", "header-only", "nothing")
