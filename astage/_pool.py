@@ -72,6 +72,9 @@ def _pin_shared(storage: torch.UntypedStorage) -> None:
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
+PREFAULT_MIN_BYTES = 64 << 10
+"""Buffers at least this large are pre-faulted when allocated."""
+
 
 @functools.cache
 def _madvise() -> Any:
@@ -120,7 +123,9 @@ def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
     else:
         pin = kind is BufferKind.PINNED
         storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
-    if nbytes and kind is not BufferKind.PINNED:  # page-locked memory is resident already
+    # Page-locked memory is resident already; below PREFAULT_MIN_BYTES the few faults a copy
+    # takes cost less than the call (small blocks mostly come from warm malloc arenas).
+    if nbytes >= PREFAULT_MIN_BYTES and kind is not BufferKind.PINNED:
         prefault(storage)
     return storage
 
@@ -131,11 +136,6 @@ class Buffer:
 
     storage: torch.UntypedStorage
     nbytes: int
-
-    def is_referenced_elsewhere(self) -> bool:
-        """Whether anything besides the pool holds this storage (tensor, view or object)."""
-        # 2 Python references: this dataclass field and getrefcount's own argument.
-        return torch._C._storage_Use_Count(self.storage._cdata) > 1 or sys.getrefcount(self.storage) > 2
 
 
 @dataclasses.dataclass(eq=False)
@@ -188,7 +188,6 @@ class BufferPool:
         self._inline = allocate_inline
         self._free: dict[int, list[Buffer]] = collections.defaultdict(list)
         self._free_bytes = 0
-        self._leased: set[int] = set()  # ids of buffers in leases not yet handed out
         self._leased_bytes = 0
         self._out: dict[int, Buffer] = {}
         self._out_bytes = 0
@@ -236,7 +235,14 @@ class BufferPool:
 
     def reclaim(self) -> int:
         """Return handed-out buffers that nothing references any more; bytes reclaimed."""
-        done = [key for key, buf in self._out.items() if not buf.is_referenced_elsewhere()]
+        use_count, refcount = torch._C._storage_Use_Count, sys.getrefcount
+        # A buffer is free when its storage has no other C++ owner (tensor, view) and no other
+        # Python reference than the Buffer's field (getrefcount adds its own argument).
+        done = [
+            key
+            for key, buf in self._out.items()
+            if use_count(buf.storage._cdata) <= 1 and refcount(buf.storage) <= 2
+        ]
         freed = 0
         for key in done:
             buf = self._out.pop(key)
@@ -248,6 +254,10 @@ class BufferPool:
         return freed
 
     # -- acquiring ------------------------------------------------------------------------
+
+    def _free_can_serve(self, sizes: Sequence[int]) -> bool:
+        wanted = collections.Counter(sizes)
+        return all(len(self._free.get(n, ())) >= c for n, c in wanted.items())
 
     def _take(self, sizes: Sequence[int]) -> tuple[list[Buffer | None], int] | None:
         """Reserve free buffers for ``sizes`` if the request fits now; else ``None``."""
@@ -263,7 +273,6 @@ class BufferPool:
             if bucket:
                 buf = bucket.pop()
                 self._free_bytes -= n
-                self._leased.add(id(buf))
                 self._leased_bytes += n
                 taken.append(buf)
             else:
@@ -306,7 +315,8 @@ class BufferPool:
             while True:
                 self._check_open()
                 if self._queue[0] is ticket:
-                    self.reclaim()
+                    if self._out and not self._free_can_serve(sizes):
+                        self.reclaim()
                     got = self._take(sizes)
                     if got is not None:
                         break
@@ -332,7 +342,6 @@ class BufferPool:
         for b in taken:
             if b is None:
                 b = next(fresh_iter)
-                self._leased.add(id(b))
                 self._leased_bytes += b.nbytes
             buffers.append(b)
         reused = len(sizes) - len(fresh)
@@ -365,26 +374,21 @@ class BufferPool:
 
     # -- returning ------------------------------------------------------------------------
 
-    def _unlease(self, buf: Buffer) -> bool:
-        if id(buf) not in self._leased:
-            return False
-        self._leased.discard(id(buf))
-        self._leased_bytes -= buf.nbytes
-        return True
-
     def give_back(self, lease: Lease) -> None:
         """Return a lease that was never handed out (nothing can still write into it)."""
         for buf in lease.buffers:
-            if self._unlease(buf):
-                self._free_push(buf)
+            self._leased_bytes -= buf.nbytes
+            self._free_push(buf)
         lease.buffers = []
         self._notify()
 
     def hand_out(self, lease: Lease) -> None:
         """Mark a lease as owned by a caller: its buffers come back once unreferenced."""
+        out = self._out
         for buf in lease.buffers:
-            if self._unlease(buf) and not self._closed:
-                self._out[id(buf)] = buf
+            self._leased_bytes -= buf.nbytes
+            if not self._closed:
+                out[id(buf)] = buf
                 self._out_bytes += buf.nbytes
         lease.buffers = []
 
