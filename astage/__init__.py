@@ -19,6 +19,7 @@ from ._events import wait_event as wait_event
 from ._options import StagingOptions as StagingOptions
 from ._persist import ReplicaInfo as ReplicaInfo
 from ._persist import find_replicas as find_replicas
+from ._persist import inspect_replica as inspect_replica
 from ._persist import load_replica as load_replica
 from ._persist import load_replica_sync as load_replica_sync
 from ._persist import sweep_stale_temps as sweep_stale_temps
@@ -61,6 +62,7 @@ __all__ = [
     "UnsupportedInputError",
     "__version__",
     "find_replicas",
+    "inspect_replica",
     "load_replica",
     "load_replica_sync",
     "sweep_stale_temps",

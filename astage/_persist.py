@@ -497,6 +497,30 @@ def load_replica_sync(path: str | os.PathLike[str]) -> Any:
         f.close()
 
 
+def inspect_replica(path: str | os.PathLike[str]) -> ReplicaInfo:
+    """Read and validate a replica's prefix (header), without reading its body.
+
+    :raises IntegrityError: the prefix is invalid, or the file's size does not match it.
+    :raises OSError: the file cannot be opened or read.
+    """
+    f = _ReplicaFile(Path(path))
+    try:
+        header, st = f.header()
+    finally:
+        f.close()
+    return ReplicaInfo(
+        path=Path(path),
+        owner_rank=header.owner_rank,
+        holder_rank=header.holder_rank,
+        step=header.step,
+        checkpoint_id=header.checkpoint_id,
+        created=header.created,
+        nbytes=st.st_size,
+        mtime=st.st_mtime,
+        header=header,
+    )
+
+
 def find_replicas(storage_dir: str | os.PathLike[str]) -> list[ReplicaInfo]:
     """List the valid replicas in ``storage_dir``, newest first (by mtime, then ``created``).
 
@@ -517,26 +541,8 @@ def find_replicas(storage_dir: str | os.PathLike[str]) -> list[ReplicaInfo]:
         if not entry.name.endswith(REPLICA_SUFFIX) or not entry.is_file(follow_symlinks=False):
             continue
         try:
-            f = _ReplicaFile(Path(entry.path))
-            try:
-                header, st = f.header()
-            finally:
-                f.close()
+            found.append(inspect_replica(entry.path))
         except (IntegrityError, OSError) as exc:
             log.warning("skipping an invalid replica: %s", exc)
-            continue
-        found.append(
-            ReplicaInfo(
-                path=Path(entry.path),
-                owner_rank=header.owner_rank,
-                holder_rank=header.holder_rank,
-                step=header.step,
-                checkpoint_id=header.checkpoint_id,
-                created=header.created,
-                nbytes=st.st_size,
-                mtime=st.st_mtime,
-                header=header,
-            )
-        )
     found.sort(key=lambda r: (r.mtime, r.created, str(r.path)), reverse=True)
     return found

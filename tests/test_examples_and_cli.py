@@ -6,15 +6,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
+import torch
+
+from astage._format import encode
+from astage._persist import write_replica
+from astage.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run the command in-process (the console script itself is exercised by the demo test)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse: --help and usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_async_training_loop_example() -> None:
@@ -30,14 +46,61 @@ def test_cli_demo_runs_with_no_arguments() -> None:
     assert "isolated from training" in done.stdout
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
-def test_cli_help(argv: list[str]) -> None:
-    done = run("-m", "astage", *argv)
-    assert done.returncode == 0
-    assert "usage: astage" in done.stdout
+@pytest.mark.parametrize("argv", [["--help"], *([c, "--help"] for c in ("demo", "inspect", "ls", "bench"))])
+def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(argv, capsys)
+    assert code == 0
+    assert "usage: astage" in out
 
 
-def test_cli_unknown_command_fails_cleanly() -> None:
-    done = run("-m", "astage", "nonsense")
-    assert done.returncode != 0
-    assert "Traceback" not in done.stderr
+def test_cli_unknown_command_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(["nonsense"], capsys)
+    assert code == 2
+    assert "invalid choice" in err
+
+
+def write_small_replica(path: Path) -> None:
+    base = torch.arange(12, dtype=torch.float32)
+    staged = {"w": base.view(3, 4), "row": base[4:8], "meta": {"step": 7}}
+    anyio.run(write_replica, path, encode(staged, owner_rank=1, holder_rank=0, step=7, checkpoint_id="c7"))
+
+
+def test_cli_inspect_shows_header_tensors_and_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "r.astage"
+    write_small_replica(path)
+    code, out, err = cli(["inspect", str(path)], capsys)
+    assert code == 0, err
+    assert "owner rank 1, holder rank 0, step 7" in out
+    assert "['row']" in out
+    assert "checksums verified" in out
+
+
+def test_cli_ls_lists_replicas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_small_replica(tmp_path / "r.astage")
+    code, out, err = cli(["ls", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "r.astage" in out
+
+
+def test_cli_inspect_of_a_corrupt_file_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "r.astage"
+    write_small_replica(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, _, err = cli(["inspect", str(path)], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "checksum" in err
+
+
+def test_cli_inspect_of_a_missing_file_fails_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = cli(["inspect", str(tmp_path / "nope.astage")], capsys)
+    assert code == 2
+    assert "No such file" in err
