@@ -36,6 +36,16 @@ from ._stager import StageStats as StageStats
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # ``astage.dcp`` loads torch.distributed.checkpoint (~0.2 s): only when first used.
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module 'astage' has no attribute {name!r}")
+
+
 __all__ = [
     "AstageError",
     "AsyncStager",
