@@ -40,6 +40,16 @@ def test_async_training_loop_example() -> None:
     assert "heartbeat lag" in done.stdout
 
 
+def test_replication_example_under_torchrun(tmp_path: Path) -> None:
+    done = run(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "examples/replication_torchrun.py", "--steps", "2", "--directory", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rank 0: recovered its step-2 state from rank 1's disk" in done.stdout
+    assert "rank 1: recovered its step-2 state from rank 0's disk" in done.stdout
+
+
 def test_cli_demo_runs_with_no_arguments() -> None:
     done = run("-m", "astage", "demo")
     assert done.returncode == 0, done.stderr
