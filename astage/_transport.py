@@ -18,38 +18,77 @@ may refuse it) before it allocates the body, then posts a window of chunk receiv
 body tensor and hands each chunk to ``on_chunk`` as it lands, while the next ones are in
 flight.
 
-Gloo reports a point-to-point ``Work`` complete only from inside ``wait()`` (its
-``is_completed()`` stays false and ``get_future()`` is missing; checked on torch 2.13), so
-each direction waits in its own worker thread (two per call, under a private limiter).
-Gloo sends are rendezvous: a send completes only once the peer has posted the matching
-receive, which is why acknowledgements go both ways at once (:func:`exchange_ack`).
+The protocol above is the same on every backend; a *wire* per backend moves the messages
+(:func:`wire_kind` picks it from the group's backend configuration):
+
+* **gloo** (any group with ``cpu:gloo``, ``cpu:gloo,cuda:nccl`` included: the payload is on
+  the CPU already).  CPU tensors go straight through.  Gloo reports a point-to-point
+  ``Work`` complete only from inside ``wait()`` (its ``is_completed()`` stays false and
+  ``get_future()`` is missing; checked on torch 2.13), so each direction waits in its own
+  worker thread (two per call, under a private limiter).  Gloo sends are rendezvous: a send
+  completes only once the peer has posted the matching receive, which is why
+  acknowledgements go both ways at once (:func:`exchange_ack`).
+* **nccl** (a ``cuda:nccl`` group without gloo).  NCCL moves device tensors only, so each
+  message crosses through a device bounce buffer from a small per-call pool: a message to
+  send is copied host-to-device on a side stream (from the loop when the host tensor is
+  pinned, in a worker thread otherwise) and the NCCL launch waits for that stream; a
+  received message lands in a bounce buffer and is copied device-to-host on a second side
+  stream, and counts as received once that copy has completed.  NCCL's
+  ``Work.is_completed()`` queries the work's CUDA end event, so completion is polled from
+  the loop with :func:`astage._events.wait_event`'s back-off and no thread waits.  NCCL
+  ignores tags and runs a rank's point-to-point work on one stream in launch order: a lone
+  send to a peer that is itself sending would never complete, so the k-th message of each
+  direction is launched together with the k-th of the other, as one ``batch_isend_irecv``
+  (one NCCL group), which :class:`Pairing` schedules.  Launches run one at a time, in
+  order, in a worker thread: the first one on a group creates its NCCL communicator and
+  blocks until every rank of the group has arrived.
 
 Invariants:
 
 * Every message is posted non-blocking, receives first, and each direction waits only on
   its own peer, so an exchange cannot deadlock for any world size and ring offset (W = 2,
-  where both peers are one rank, included) as long as every rank takes part.
+  where both peers are one rank, included) as long as every rank takes part.  On NCCL the
+  k-th launch of every rank matches the k-th launches of its peers, and a direction posts
+  message k only once its message k - window has completed, so by induction on k every
+  launch finds its matches.
 * The whole call honours ``timeout``: it raises :class:`PeerTimeoutError` at the deadline,
-  or :class:`TransportError` as soon as gloo sees a broken connection; it never waits for
+  or :class:`TransportError` as soon as the backend reports a failure; it never waits for
   the process group's own timeout.  ``timeout`` is a parameter rather than the caller's
   cancel scope (ruff ASYNC109) because it must reach the gloo waits in worker threads.
-* Pending gloo work cannot be cancelled.  So when a call fails after posting anything, or
-  is cancelled, it **breaks the group on purpose** before it returns (a 1 ms timed-out
-  receive makes gloo close every connection of the group on this rank): gloo then lets go
-  of every payload and body tensor at once, and the peers fail at once instead of at their
-  own deadline.  The caller must treat the group as dead: destroy it
-  (``dist.destroy_process_group(pg)``) and make a new one, or restart the job.  A subgroup
-  made with ``new_group`` breaks alone: the default group survives.  A failure that the
-  peer *reports* in a well-formed acknowledgement (:class:`PeerReportedError`) leaves the
-  group intact.
-* Cancellation is delivered at once; only a packing copy (one chunk) finishes first.  The
-  threads waiting on the abandoned work return when the group is broken, a few ms later.
+* Pending point-to-point work cannot be cancelled.  So when a call fails after posting
+  anything, or is cancelled, it **breaks the group on purpose** before it returns.  Gloo: a
+  1 ms timed-out receive makes gloo close every connection of the group on this rank; gloo
+  lets go of every payload and body tensor at once, and the peers fail at once instead of
+  at their own deadline.  NCCL: ``ProcessGroup.abort()`` tears the communicator down (its
+  kernels exit and let go of the bounce buffers, which torch keeps alive until then) and
+  the side streams are drained, so no copy touches a payload or body afterwards; NCCL has
+  no connection to close, so the peers fail at their own deadline.  The call returns once
+  the abort has (torch bounds an abort by the group's own timeout).  Either way the caller
+  must treat the group as dead: destroy it (``dist.destroy_process_group(pg)``) and make a
+  new one, or restart the job.  A subgroup made with ``new_group`` breaks alone: the
+  default group survives.  A failure that the peer *reports* in a well-formed
+  acknowledgement (:class:`PeerReportedError`) leaves the group intact.
+* Cancellation is delivered at once; only a packing copy or a copy from or to pageable
+  memory (one chunk) finishes first.  Gloo threads waiting on abandoned work return when
+  the group is broken, a few ms later.
+* A buffer (a pack buffer, a bounce buffer, the caller's segments and body) is reused or
+  released only once every copy and every backend operation touching it has been seen
+  complete, or the group has been broken.
 
-Only gloo with CPU tensors is supported; other backends get no group-breaking guarantee.
+One call at a time per group, on every backend.  On NCCL, moreover, nothing else may use
+the group during a call: its collectives and our launches share one communicator, whose
+operations every rank must issue in the same order, so give replication a group of its own
+(``dist.new_group``).  Each rank must use its own device: the group's bound device
+(``init_process_group(device_id=...)``), else the current CUDA device
+(``torch.cuda.set_device``).  The first call on a group must be made by all of its ranks (a
+ring exchange is), unless the group was initialised with ``device_id``, which creates the
+communicator up front.  In a group of one rank, NCCL may loop back (``send_to == recv_from
+== 0``): one GPU runs the whole path that way.  Other backends are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -60,12 +99,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Generic, Literal, Protocol, TypeVar
 
 import anyio
 import torch
 import torch.distributed as dist
 
 from ._errors import ConfigurationError, IntegrityError, PeerReportedError, PeerTimeoutError, TransportError
+from ._events import Queryable, wait_event
 from ._slices import SLICE_SECONDS, Steps, clock, run_steps
 
 log = logging.getLogger("astage.transport")
@@ -97,7 +138,10 @@ ACK_MESSAGE_BYTES = ACK_BYTES - _ACK_HEAD.size
 """Longest peer message an acknowledgement carries (UTF-8 bytes; longer ones are cut)."""
 
 _WINDOW = 4
-"""Chunks posted ahead of the one being waited for, per direction."""
+"""Gloo: chunks posted ahead of the one being waited for, per direction."""
+_NCCL_WINDOW = 2
+"""NCCL: the same, kept small because each message in flight holds a device bounce buffer
+(at most ``2 * _NCCL_WINDOW`` chunks of device memory a call)."""
 _PACK_BUFFERS = 2
 _THREAD_GRACE = 0.5
 """A waiting thread's own gloo timeout runs this long past the deadline: a backstop in case
@@ -202,6 +246,73 @@ def ring_peers(rank: int, world_size: int, offset: int | None = None) -> tuple[i
     return (rank + k) % world_size, (rank - k) % world_size
 
 
+WireKind = Literal["gloo", "nccl"]
+
+
+def wire_kind(backend_config: str) -> WireKind:
+    """Which wire serves a group with ``backend_config`` (``dist.get_backend_config(pg)``).
+
+    ``"cpu:gloo,cuda:gloo"`` (plain gloo) and ``"cpu:gloo,cuda:nccl"`` get the gloo wire:
+    the payload is on the CPU already, and a broken gloo group fails the peers at once.
+    ``"cuda:nccl"`` (plain NCCL) gets the NCCL wire.
+
+    :raises ConfigurationError: a group with neither gloo for CPU nor NCCL for CUDA.
+    """
+    by_device = dict(pair.split(":", 1) for pair in backend_config.lower().split(",") if ":" in pair)
+    if by_device.get("cpu") == "gloo":
+        return "gloo"
+    if by_device.get("cuda") == "nccl":
+        return "nccl"
+    raise ConfigurationError(
+        f"the transport needs gloo for CPU or NCCL for CUDA; this group's backends are {backend_config!r}"
+    )
+
+
+T = TypeVar("T")
+
+
+class Pairing(Generic[T]):
+    """Group the messages of a call's two directions into launches, in order (no I/O).
+
+    The k-th launch holds the k-th message of each direction that has one, so the k-th
+    launches of two peers match message for message.  A launch waits for both directions
+    while each may still post its k-th message, and goes alone once the other direction
+    has posted all it said it would (:meth:`expect`).  A direction the call does not use
+    is created closed.
+    """
+
+    def __init__(self, *, sends: bool, receives: bool) -> None:
+        self._queued: dict[bool, deque[T]] = {True: deque(), False: deque()}
+        self._posted = {True: 0, False: 0}
+        self._total: dict[bool, int | None] = {True: None if sends else 0, False: None if receives else 0}
+
+    def push(self, item: T, *, send: bool) -> None:
+        """Queue the direction's next message."""
+        total = self._total[send]
+        if total is not None and self._posted[send] >= total:
+            raise RuntimeError(f"{'send' if send else 'receive'} direction posted more than it announced")
+        self._posted[send] += 1
+        self._queued[send].append(item)
+
+    def expect(self, total: int, *, send: bool) -> None:
+        """Announce that the direction posts ``total`` messages in all (those so far included)."""
+        if total < self._posted[send]:
+            raise RuntimeError(f"announced {total} messages after posting {self._posted[send]}")
+        self._total[send] = total
+
+    def pop(self) -> tuple[T, ...] | None:
+        """The next launch (send first), or ``None`` while it cannot be formed yet."""
+        for send in (True, False):
+            if not self._queued[send] and self._open(send):
+                return None
+        batch = tuple(self._queued[send].popleft() for send in (True, False) if self._queued[send])
+        return batch or None
+
+    def _open(self, send: bool) -> bool:
+        total = self._total[send]
+        return total is None or self._posted[send] < total
+
+
 def plan_chunks(
     segments: Sequence[tuple[int, torch.Tensor]], body_nbytes: int, chunk_bytes: int
 ) -> Steps[ChunkPlan]:
@@ -302,10 +413,11 @@ async def exchange(
     :param on_chunk: awaited with ``(body_offset, chunk)`` as each chunk lands, in order,
         while later chunks are in flight.
     :returns: the peer's prefix and body, and the stats of the call.
-    :raises ConfigurationError: bad peers, timeout, caps, chunk size, payload or allocation.
+    :raises ConfigurationError: bad peers, timeout, caps, chunk size, payload or allocation;
+        a backend other than gloo or NCCL; an NCCL group without CUDA.
     :raises IntegrityError: the peer's preamble is malformed or over a cap.
     :raises PeerTimeoutError: the exchange did not finish within ``timeout``.
-    :raises TransportError: gloo reported a failure (for example a peer that died).
+    :raises TransportError: the backend reported a failure (for example a peer that died).
     """
     link = _Link(pg, timeout, send_to=send_to, recv_from=recv_from)
     limits = _Limits(max_body_bytes, max_prefix_bytes, allocate, on_prefix, on_chunk)
@@ -365,8 +477,9 @@ async def send_ack(
 ) -> None:
     """Tell ``to`` whether the replica it sent us is durable (``ok``), with a short ``message``.
 
-    Gloo sends are rendezvous: this returns only once ``to`` is in :func:`recv_ack`, so a
-    ring in which every rank first sends then receives deadlocks; use :func:`exchange_ack`.
+    Sends are rendezvous (gloo) or launched in order on one stream (NCCL): this returns only
+    once ``to`` is in :func:`recv_ack`, so a ring in which every rank first sends then
+    receives deadlocks; use :func:`exchange_ack`.
 
     :param message: cut to :data:`ACK_MESSAGE_BYTES` UTF-8 bytes.
     :raises: as :func:`exchange`.
@@ -431,7 +544,7 @@ class _Limits:
 
 
 class _Link:
-    """One call's view of the group: peers, deadline, pending work and progress."""
+    """One call's view of the group: peers, deadline, wire, pending messages and progress."""
 
     def __init__(
         self,
@@ -450,7 +563,10 @@ class _Link:
             raise ConfigurationError("this rank is not a member of the process group")
         world = dist.get_world_size(pg)
         for name, peer in (("send_to", send_to), ("recv_from", recv_from)):
-            if peer is not None and not (isinstance(peer, int) and 0 <= peer < world and peer != self.rank):
+            # A group of one has no other rank: there the only peer is a loopback.
+            if peer is not None and not (
+                isinstance(peer, int) and 0 <= peer < world and (peer != self.rank or world == 1)
+            ):
                 raise ConfigurationError(f"{name}={peer!r} is not another rank of this group of {world}")
         self.pg = pg
         self.timeout = float(timeout)
@@ -458,10 +574,14 @@ class _Link:
         self.recv_from = recv_from
         self.started = time.monotonic()
         self.deadline = self.started + self.timeout
-        # One waiting thread per direction, and packing shares the sender's.
+        # One worker thread per direction at a time (a wait, a packing or pageable copy, or
+        # an NCCL launch): a direction awaits each before its next step.
         self.limiter = anyio.CapacityLimiter(2)
-        # Posted work not yet seen complete, with the tensor it reads or writes.
-        self.pending: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self.wire: _Wire = (_GlooWire if wire_kind(dist.get_backend_config(pg)) == "gloo" else _NcclWire)(
+            pg, self.rank, send_to, recv_from, self.deadline, self.limiter
+        )
+        # Posted messages not yet seen complete; each holds the tensors it reads or writes.
+        self.pending: set[_Message] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.bytes_expected: int | None = None
@@ -535,50 +655,32 @@ class _Link:
         assert self.body is not None
         return Received(self.prefix, self.body, self.stats())
 
-    def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> dist.Work:
-        """Post a non-blocking send to ``send_to`` or receive from ``recv_from``."""
+    async def expect(self, total: int, *, send: bool) -> None:
+        """Announce that the direction posts ``total`` messages in all in this call."""
         try:
-            if send:
-                work = dist.isend(tensor, group=self.pg, group_dst=self.send_to, tag=tag)
-            else:
-                work = dist.irecv(tensor, group=self.pg, group_src=self.recv_from, tag=tag)
+            await self.wire.expect(total, send=send)
         except RuntimeError as exc:
             raise self._translate(exc, send=send) from exc
-        if work is None:
-            raise ConfigurationError("this rank is not a member of the process group")
-        self.pending[id(work)] = (work, tensor)
-        return work
 
-    async def complete(self, work: dist.Work, *, send: bool) -> None:
-        """Wait for ``work`` in a worker thread: gloo completes p2p work only in ``wait``."""
+    async def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> _Message:
+        """Post a non-blocking send of ``tensor`` to ``send_to`` or receive into it from ``recv_from``."""
         try:
-            if not work.is_completed():
-                done = await anyio.to_thread.run_sync(
-                    _wait_boxed,
-                    [work],
-                    self.deadline + _THREAD_GRACE,
-                    limiter=self.limiter,
-                    abandon_on_cancel=True,
-                )
-                if not done:
-                    raise RuntimeError("the backend aborted the operation")
+            message = await self.wire.post(tensor, tag, send=send)
         except RuntimeError as exc:
             raise self._translate(exc, send=send) from exc
-        del self.pending[id(work)]
+        self.pending.add(message)
+        return message
+
+    async def complete(self, message: _Message, *, send: bool) -> None:
+        """Wait until ``message`` has gone, or has landed in its tensor."""
+        try:
+            await message.complete()
+        except RuntimeError as exc:
+            raise self._translate(exc, send=send) from exc
+        self.pending.discard(message)
 
     def _break(self) -> None:
-        # A timed-out gloo wait makes gloo close every pair of the group's context: all
-        # pending work fails at once (so gloo lets go of our tensors) and the peers see a
-        # closed connection right away instead of at their own deadline.
-        peer = self.recv_from if self.recv_from is not None else self.send_to
-        probe = torch.empty(1, dtype=torch.uint8)
-        try:
-            if dist.get_backend(self.pg) == "gloo":
-                work = dist.irecv(probe, group=self.pg, group_src=peer, tag=_BREAK_TAG)
-                if work is not None:
-                    work.wait(timedelta(milliseconds=1))
-        except (RuntimeError, ValueError):
-            pass  # the expected timeout, or a group already broken or destroyed
+        self.wire.break_group()
         self.pending.clear()
 
     def _translate(self, exc: RuntimeError, *, send: bool) -> TransportError:
@@ -602,6 +704,114 @@ class _Link:
         return f"rank {self.rank}: " + " and ".join(parts)
 
 
+# -- wires: how each backend moves a message ------------------------------------------
+
+
+class _Message(Protocol):
+    """One posted message, holding what it reads or writes until it completes."""
+
+    async def complete(self) -> None:
+        """Return once the message has gone, or has landed in its tensor.
+
+        :raises RuntimeError: the backend reported a failure.
+        """
+        ...
+
+
+class _Wire(Protocol):
+    """Moves the messages of one call over one backend."""
+
+    window: int
+    """Chunks a direction keeps in flight."""
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A CPU ``uint8`` buffer to pack chunks into."""
+        ...
+
+    async def expect(self, total: int, *, send: bool) -> None:
+        """The direction posts ``total`` messages in all in this call."""
+        ...
+
+    async def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> _Message:
+        """Post a send of the CPU ``tensor``, or a receive into it."""
+        ...
+
+    def break_group(self) -> None:
+        """Break the group so that nothing touches this call's tensors any more (blocking)."""
+        ...
+
+
+class _GlooWire:
+    """CPU tensors straight through gloo; each wait in a worker thread (see the module docs)."""
+
+    window = _WINDOW
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        rank: int,
+        send_to: int | None,
+        recv_from: int | None,
+        deadline: float,
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        if rank in (send_to, recv_from):
+            raise ConfigurationError("gloo cannot send to its own rank: a loopback needs an NCCL group")
+        self.pg = pg
+        self.send_to = send_to
+        self.recv_from = recv_from
+        self.deadline = deadline
+        self.limiter = limiter
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    async def expect(self, total: int, *, send: bool) -> None:
+        pass  # tags keep gloo's messages apart: no launch order to keep
+
+    async def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> _Message:
+        if send:
+            work = dist.isend(tensor, group=self.pg, group_dst=self.send_to, tag=tag)
+        else:
+            work = dist.irecv(tensor, group=self.pg, group_src=self.recv_from, tag=tag)
+        if work is None:
+            raise ConfigurationError("this rank is not a member of the process group")
+        return _GlooMessage(work, tensor, self)
+
+    def break_group(self) -> None:
+        # A timed-out gloo wait makes gloo close every pair of the group's context: all
+        # pending work fails at once (so gloo lets go of our tensors) and the peers see a
+        # closed connection right away instead of at their own deadline.
+        peer = self.recv_from if self.recv_from is not None else self.send_to
+        probe = torch.empty(1, dtype=torch.uint8)
+        try:
+            work = dist.irecv(probe, group=self.pg, group_src=peer, tag=_BREAK_TAG)
+            if work is not None:
+                work.wait(timedelta(milliseconds=1))
+        except (RuntimeError, ValueError):
+            pass  # the expected timeout, or a group already broken or destroyed
+
+
+class _GlooMessage:
+    def __init__(self, work: dist.Work, tensor: torch.Tensor, wire: _GlooWire) -> None:
+        self.work = work
+        self.tensor = tensor
+        self.wire = wire
+
+    async def complete(self) -> None:
+        # Gloo completes point-to-point work only inside wait(): wait in a worker thread.
+        if not self.work.is_completed():
+            done = await anyio.to_thread.run_sync(
+                _wait_boxed,
+                [self.work],
+                self.wire.deadline + _THREAD_GRACE,
+                limiter=self.wire.limiter,
+                abandon_on_cancel=True,
+            )
+            if not done:
+                raise RuntimeError("the backend aborted the operation")
+
+
 def _wait_boxed(box: list[dist.Work], deadline: float) -> bool:
     # An idle worker thread keeps its last call's arguments alive: the box is emptied here
     # so that a parked thread does not pin the work and the tensors it holds.
@@ -609,6 +819,191 @@ def _wait_boxed(box: list[dist.Work], deadline: float) -> bool:
     # A zero timedelta means "no timeout" to c10d: never pass less than 1 ms.
     remaining = max(deadline - time.monotonic(), 1e-3)
     return bool(work.wait(timedelta(seconds=remaining)))
+
+
+class _NcclWire:
+    """Every message through a device bounce buffer, launched in pairs (see the module docs).
+
+    Two side streams: ``h2d`` carries the copies into bounce buffers and is the current
+    stream at each launch (so NCCL waits for those copies); ``d2h`` carries the copies out.
+    A message's ``complete()`` polls its launch's works, then makes the stream that touches
+    its bounce buffer next wait for them too (``Work.wait()`` on that stream), so the
+    ordering holds on the device whatever the host saw.
+    """
+
+    window = _NCCL_WINDOW
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup | None,
+        rank: int,
+        send_to: int | None,
+        recv_from: int | None,
+        deadline: float,
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise ConfigurationError(
+                "an NCCL process group needs CUDA, and torch.cuda.is_available() is False"
+            )
+        group = pg if pg is not None else dist.group.WORLD
+        assert group is not None  # torch.distributed is initialised
+        self.pg = pg
+        self.group = group
+        self.send_to = send_to
+        self.recv_from = recv_from
+        self.limiter = limiter
+        bound = group.bound_device_id
+        self.device = bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+        self.h2d = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.d2h = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.pairing: Pairing[_NcclMessage] = Pairing(
+            sends=send_to is not None, receives=recv_from is not None
+        )
+        self.launching = anyio.Lock()
+        self.free: list[torch.Tensor] = []
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        # Pinned, so that its copy to the device is asynchronous and issued from the loop.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    async def expect(self, total: int, *, send: bool) -> None:
+        self.pairing.expect(total, send=send)
+        await self._launch_ready()
+
+    async def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> _Message:
+        host = tensor.reshape(-1).view(torch.uint8)
+        buffer = self.take(host.numel())
+        message = _NcclMessage(self, host, buffer, send)
+        if send:
+            message.copied = await self.copy(buffer[: host.numel()], host, self.h2d)
+        self.pairing.push(message, send=send)
+        await self._launch_ready()
+        return message
+
+    def break_group(self) -> None:
+        # Aborting the communicator makes its kernels exit, so no launch waits any more on
+        # a peer; torch keeps the bounce buffers alive until the NCCL stream is done with
+        # them.  Our own copies never wait for NCCL: draining their streams is quick, and
+        # afterwards no copy touches the caller's segments or body.
+        with contextlib.suppress(RuntimeError):  # already aborted or destroyed
+            self.group.abort()
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+
+    # -- device buffers and copies
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The smallest free bounce buffer of at least ``nbytes``, or a new one."""
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+        if fits:
+            return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        # Allocated on h2d, the stream that writes it first: a block the caching allocator
+        # hands out there is one no other stream may still be using.
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    async def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> Queryable | None:
+        """Copy between a host tensor and a bounce buffer on ``stream``.
+
+        Pinned host memory: issued from the loop; returns an event recorded after the copy.
+        Pageable host memory: the copy blocks the thread that issues it, so it runs to its
+        end in a worker thread (not abandoned on cancellation: it is one chunk); returns
+        ``None``.
+        """
+        host = dst if dst.device.type == "cpu" else src
+        if host.is_pinned():
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                copied: Queryable = stream.record_event()
+            return copied
+        await anyio.to_thread.run_sync(_copy_boxed, [(dst, src)], self.device, stream, limiter=self.limiter)
+        return None
+
+    # -- launching
+
+    async def _launch_ready(self) -> None:
+        """Launch every batch that can be formed, in order, one at a time."""
+        async with self.launching:
+            while (batch := self.pairing.pop()) is not None:
+                ops = [
+                    dist.P2POp(
+                        dist.isend if m.send else dist.irecv,
+                        m.buffer[: m.host.numel()],
+                        group=self.pg,
+                        group_peer=self.send_to if m.send else self.recv_from,
+                    )
+                    for m in batch
+                ]
+                works = await anyio.to_thread.run_sync(
+                    _launch_boxed, [ops], self.device, self.h2d, limiter=self.limiter, abandon_on_cancel=True
+                )
+                if not works:
+                    raise RuntimeError("the backend returned no work for a launch")
+                for message in batch:
+                    message.launched(works)
+
+
+class _NcclMessage:
+    def __init__(self, wire: _NcclWire, host: torch.Tensor, buffer: torch.Tensor, send: bool) -> None:
+        self.wire = wire
+        self.host = host
+        self.buffer = buffer
+        self.send = send
+        self.copied: Queryable | None = None
+        self.works: list[dist.Work] = []
+        self._launched = anyio.Event()
+
+    def launched(self, works: list[dist.Work]) -> None:
+        self.works = works
+        self._launched.set()
+
+    async def complete(self) -> None:
+        wire = self.wire
+        await self._launched.wait()
+        await wait_event(_WorksDone(self.works))
+        # Raise the backend's error if the launch failed, and make the stream that touches
+        # this bounce buffer next wait for the launch on the device as well.
+        with torch.cuda.device(wire.device), torch.cuda.stream(wire.h2d if self.send else wire.d2h):
+            for work in self.works:
+                work.wait()
+        if self.send:
+            if self.copied is not None:
+                await wait_event(self.copied)  # the host tensor may be reused from here on
+        else:
+            copied = await wire.copy(self.host, self.buffer[: self.host.numel()], wire.d2h)
+            if copied is not None:
+                await wait_event(copied)
+        wire.free.append(self.buffer)
+
+
+class _WorksDone:
+    """``wait_event`` adapter: NCCL work is complete once its CUDA end event is."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def query(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def _launch_boxed(
+    box: list[list[dist.P2POp]], device: torch.device, stream: torch.cuda.Stream
+) -> list[dist.Work]:
+    # Boxed like _wait_boxed: a parked thread must not pin the bounce buffers.
+    ops = box.pop()
+    # NCCL's stream waits for the current one at launch: ``stream`` (h2d) holds the copies
+    # into these bounce buffers and the waits that guard their reuse.
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        return dist.batch_isend_irecv(ops)
+
+
+def _copy_boxed(
+    box: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, stream: torch.cuda.Stream
+) -> None:
+    dst, src = box.pop()
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        dst.copy_(src)  # blocking: returns once the copy is complete
 
 
 def _check_chunk_bytes(chunk_bytes: int, error: type[Exception], name: str) -> None:
@@ -623,19 +1018,20 @@ async def _send(link: _Link, prefix: bytes, plan: ChunkPlan) -> None:
     body_nbytes = sum(c.nbytes for c in plan.chunks)
     words = [MAGIC, VERSION, len(prefix), body_nbytes, plan.chunk_bytes]
     preamble = torch.tensor(words + [0] * (PREAMBLE_WORDS - len(words)), dtype=torch.int64)
-    # (work, pack buffer it holds or None), in posting order.
-    inflight: deque[tuple[dist.Work, torch.Tensor | None]] = deque()
-    inflight.append((link.post(preamble, PREAMBLE_TAG, send=True), None))
+    await link.expect(1 + int(bool(prefix)) + len(plan.chunks), send=True)
+    # (message, pack buffer it holds or None), in posting order.
+    inflight: deque[tuple[_Message, torch.Tensor | None]] = deque()
+    inflight.append((await link.post(preamble, PREAMBLE_TAG, send=True), None))
     if prefix:
         blob = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-        inflight.append((link.post(blob, PREFIX_TAG, send=True), None))
+        inflight.append((await link.post(blob, PREFIX_TAG, send=True), None))
         link.bytes_sent += len(prefix)
     free: list[torch.Tensor] = []
     allocated = 0
 
     async def retire_oldest() -> None:
-        work, buffer = inflight.popleft()
-        await link.complete(work, send=True)
+        message, buffer = inflight.popleft()
+        await link.complete(message, send=True)
         if buffer is not None:
             free.append(buffer)
 
@@ -650,16 +1046,16 @@ async def _send(link: _Link, prefix: bytes, plan: ChunkPlan) -> None:
             if free:
                 buffer = free.pop()
             else:
-                buffer = torch.empty(min(plan.chunk_bytes, body_nbytes), dtype=torch.uint8)
+                buffer = link.wire.host_buffer(min(plan.chunk_bytes, body_nbytes))
                 allocated += 1
             tensor = buffer[: chunk.nbytes]
             await anyio.to_thread.run_sync(_pack_boxed, [(chunk.parts, tensor)], limiter=link.limiter)
             link.chunks_packed += 1
-        inflight.append((link.post(tensor, BODY_TAG, send=True), buffer))
+        while len(inflight) >= link.wire.window:
+            await retire_oldest()
+        inflight.append((await link.post(tensor, BODY_TAG, send=True), buffer))
         link.chunks_sent += 1
         link.bytes_sent += chunk.nbytes
-        while len(inflight) > _WINDOW:
-            await retire_oldest()
     while inflight:
         await retire_oldest()
 
@@ -683,29 +1079,31 @@ def _pack_boxed(box: list[tuple[tuple[torch.Tensor | int, ...], torch.Tensor]]) 
 
 async def _receive(link: _Link, limits: _Limits) -> None:
     preamble = torch.zeros(PREAMBLE_WORDS, dtype=torch.int64)
-    await link.complete(link.post(preamble, PREAMBLE_TAG, send=False), send=False)
+    await link.complete(await link.post(preamble, PREAMBLE_TAG, send=False), send=False)
     prefix_len, body_nbytes, chunk_bytes = _check_preamble(preamble.tolist(), link.recv_from, limits)
     link.bytes_expected = prefix_len + body_nbytes
+    # The chunk views are made as they are posted: a lazy grid stays small however many
+    # chunks the peer announces.
+    offsets = range(0, body_nbytes, chunk_bytes)
+    await link.expect(1 + int(prefix_len > 0) + len(offsets), send=False)
 
     prefix = torch.empty(prefix_len, dtype=torch.uint8)
     if prefix_len:
-        await link.complete(link.post(prefix, PREFIX_TAG, send=False), send=False)
+        await link.complete(await link.post(prefix, PREFIX_TAG, send=False), send=False)
         link.bytes_received += prefix_len
     link.prefix = prefix.numpy().tobytes()
     if limits.on_prefix is not None:
         await limits.on_prefix(link.prefix)
     body = _allocate_body(limits.allocate, body_nbytes)
-    # The chunk views are made as they are posted: a lazy grid stays small however many
-    # chunks the peer announces.
-    offsets = range(0, body_nbytes, chunk_bytes)
-    inflight: deque[dist.Work] = deque()
-    for offset in offsets[:_WINDOW]:
-        inflight.append(link.post(body[offset : offset + chunk_bytes], BODY_TAG, send=False))
+    window = link.wire.window
+    inflight: deque[_Message] = deque()
+    for offset in offsets[:window]:
+        inflight.append(await link.post(body[offset : offset + chunk_bytes], BODY_TAG, send=False))
     for i, offset in enumerate(offsets):
         await link.complete(inflight.popleft(), send=False)
-        if i + _WINDOW < len(offsets):
-            ahead = offsets[i + _WINDOW]
-            inflight.append(link.post(body[ahead : ahead + chunk_bytes], BODY_TAG, send=False))
+        if i + window < len(offsets):
+            ahead = offsets[i + window]
+            inflight.append(await link.post(body[ahead : ahead + chunk_bytes], BODY_TAG, send=False))
         chunk = body[offset : offset + chunk_bytes]
         link.bytes_received += chunk.numel()
         link.chunks_received += 1
@@ -756,12 +1154,14 @@ async def _send_ack(link: _Link, ok: bool, message: str) -> None:
     _ACK_HEAD.pack_into(blob, 0, _ACK_MAGIC, 1 if ok else 0, len(text))
     blob[_ACK_HEAD.size : _ACK_HEAD.size + len(text)] = text
     tensor = torch.frombuffer(blob, dtype=torch.uint8)
-    await link.complete(link.post(tensor, ACK_TAG, send=True), send=True)
+    await link.expect(1, send=True)
+    await link.complete(await link.post(tensor, ACK_TAG, send=True), send=True)
 
 
 async def _recv_ack(link: _Link) -> None:
     tensor = torch.zeros(ACK_BYTES, dtype=torch.uint8)
-    await link.complete(link.post(tensor, ACK_TAG, send=False), send=False)
+    await link.expect(1, send=False)
+    await link.complete(await link.post(tensor, ACK_TAG, send=False), send=False)
     blob = tensor.numpy().tobytes()
     magic, ok, length = _ACK_HEAD.unpack_from(blob)
     if magic != _ACK_MAGIC or ok not in (0, 1) or length > ACK_MESSAGE_BYTES:

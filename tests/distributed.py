@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 import psutil
+import torch
 import torch.distributed as dist
 
 Target = Callable[..., Awaitable[Any]]
@@ -111,13 +112,16 @@ def run_group(
     timeout: float = 60.0,
     env: Mapping[str, str] | None = None,
     backend: str = "asyncio",
+    pg_backend: str = "gloo",
 ) -> list[RankResult]:
-    """Run ``target(rank, world_size, *args)`` on every rank of a fresh gloo group.
+    """Run ``target(rank, world_size, *args)`` on every rank of a fresh group (gloo by default).
 
     :param timeout: seconds for the whole run; also the process group's own timeout.
     :param env: environment variables set in each child before its group starts (torch
         is already imported there: variables it reads at import time cannot be set so).
     :param backend: the anyio backend the children run ``target`` on.
+    :param pg_backend: ``"gloo"``, or ``"nccl"``: rank ``r`` then runs on ``cuda:r``,
+        bound to its group with ``device_id``.
     :returns: one result per rank, in rank order.
     """
     ctx = _context()
@@ -134,7 +138,18 @@ def run_group(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_child,
-                args=(rank, world_size, store.port, timeout, backend, dict(env or {}), writer, target, args),
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    timeout,
+                    backend,
+                    pg_backend,
+                    dict(env or {}),
+                    writer,
+                    target,
+                    args,
+                ),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -225,6 +240,7 @@ def _child(
     port: int,
     timeout: float,
     backend: str,
+    pg_backend: str,
     env: dict[str, str],
     conn: multiprocessing.connection.Connection,
     target: Target,
@@ -236,8 +252,16 @@ def _child(
         store = dist.TCPStore(
             "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
         )
+        device = torch.device("cuda", rank) if pg_backend == "nccl" else None
+        if device is not None:
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            pg_backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+            device_id=device,
         )
         try:
             value = anyio.run(target, rank, world_size, *args, backend=backend)
