@@ -4,6 +4,12 @@ Stage a state_dict into reusable CPU buffers without blocking the event loop, re
 it to a peer rank, and persist it durably.  Everything public is re-exported here.
 """
 
+from ._checkpointer import Checkpointer as Checkpointer
+from ._checkpointer import ReplicaSource as ReplicaSource
+from ._checkpointer import Replicator as Replicator
+from ._checkpointer import SaveEvent as SaveEvent
+from ._checkpointer import SaveHandle as SaveHandle
+from ._checkpointer import SaveStats as SaveStats
 from ._errors import AstageError as AstageError
 from ._errors import CapacityError as CapacityError
 from ._errors import ClosedError as ClosedError
@@ -53,6 +59,7 @@ __all__ = [
     "BufferKind",
     "BufferPool",
     "CapacityError",
+    "Checkpointer",
     "ClosedError",
     "ConfigurationError",
     "DefaultStager",
@@ -62,10 +69,15 @@ __all__ = [
     "PersistError",
     "PoolStats",
     "ReplicaInfo",
+    "ReplicaSource",
     "ReplicationResult",
     "ReplicationStager",
     "ReplicationStats",
+    "Replicator",
     "ResourceError",
+    "SaveEvent",
+    "SaveHandle",
+    "SaveStats",
     "StageStats",
     "StagingOptions",
     "TransportError",

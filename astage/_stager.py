@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import traceback
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
@@ -207,20 +208,27 @@ class DefaultStager:
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
         lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
-        handed_out = False
+        staged_locals: list[torch.Tensor] | None = None
+        host = device = None
         try:
-            staged_locals: list[torch.Tensor] = await self._run(_iter_locals(plan, lease.storages))
+            staged_locals = await self._run(_iter_locals(plan, lease.storages))
             host, device = await self._run(iter_pairs(source, lease.storages, staged_locals))
             if device:
                 await self._copy_from_device(await self._run(iter_batches(device)))
             if host:
                 await self._copy_from_host(await self._run(iter_batches(host)))
             staged = await self._run(iter_rebuild(plan, staged_locals.__getitem__))
+        except BaseException as exc:
+            # No copy is in flight any more (the copy paths wait for theirs).  Tensors over the
+            # leased buffers may survive in this frame and in the traceback's frames, where a
+            # reference cycle would keep them until the garbage collector runs: drop them, and
+            # let the pool take each buffer back as soon as nothing references it.
+            staged_locals = host = device = None
+            traceback.clear_frames(exc.__traceback__)
             self._pool.hand_out(lease)
-            handed_out = True
-        finally:
-            if not handed_out:
-                self._pool.give_back(lease)
+            self._pool.reclaim()
+            raise
+        self._pool.hand_out(lease)
         self._record(plan, lease, clock() - started)
         return staged
 

@@ -7,80 +7,22 @@ and a temporary directory, no arguments needed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 import astage
 
+from ._demo import run_demo
+
 console = Console()
 errors = Console(stderr=True)
-
-
-def _demo_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 512),
-        torch.nn.GELU(),
-        torch.nn.LayerNorm(512),
-        torch.nn.Linear(512, 256),
-    )
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    return model, opt
-
-
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
-    x = torch.randn(64, 256)
-    loss = (model(x) - x).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
-async def _demo(steps: int, every: int) -> int:
-    model, opt = _demo_model()
-    table = Table(title="astage demo: staging a training run's state")
-    for column in ("step", "loss", "tensors", "MB", "new MB", "reused", "ms", "GB/s"):
-        table.add_column(column, justify="right")
-    async with astage.DefaultStager() as stager:
-        for step in range(1, steps + 1):
-            loss = _train_step(model, opt)
-            if step % every:
-                continue
-            state: dict[str, Any] = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
-            expected = {k: v.clone() for k, v in state["model"].items()}
-            staged = await stager.stage(state)
-            _train_step(model, opt)  # training goes on: the staged copy must not change
-            ok = all(torch.equal(staged["model"][k], v) for k, v in expected.items())
-            stats = stager.last_stats
-            assert stats is not None
-            table.add_row(
-                str(step),
-                f"{loss:.4f}",
-                str(stats.tensors),
-                f"{stats.bytes / 1e6:.1f}",
-                f"{stats.bytes_allocated / 1e6:.1f}",
-                str(stats.reused_buffers),
-                f"{stats.seconds * 1e3:.1f}",
-                f"{stats.gbps:.2f}",
-            )
-            if not ok:
-                console.print("[red]a staged copy changed with training[/red]")
-                return 1
-            await stager.release(staged)
-    console.print(table)
-    console.print("Every staged copy stayed isolated from training; buffers were reused after the first.")
-    return 0
 
 
 def _inspect(path: Path, verify: bool) -> int:
@@ -153,9 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``astage`` console script."""
     parser = argparse.ArgumentParser(prog="astage", description=astage.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small built-in model and stage its state every few steps")
-    demo.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    demo.add_argument("--every", type=int, default=5, help="stage every N steps (default 5)")
+    demo = sub.add_parser(
+        "demo",
+        help="train on 2 local ranks, checkpoint and replicate every few steps, restore and check",
+    )
+    demo.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
+    demo.add_argument("--every", type=int, default=4, help="checkpoint every N steps (default 4)")
+    demo.add_argument("--ranks", type=int, default=2, help="local processes in the gloo group (default 2)")
+    demo.add_argument("--directory", type=Path, default=None, help="default: a temporary directory")
     inspect = sub.add_parser("inspect", help="show a replica's header and tensors, and verify its checksums")
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--no-verify", action="store_true", help="read only the header")
@@ -167,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-            return asyncio.run(_demo(args.steps, args.every))
+            return run_demo(args.steps, args.every, args.ranks, args.directory)
         if args.command == "inspect":
             return _inspect(args.path, not args.no_verify)
         if args.command == "ls":

@@ -1,0 +1,184 @@
+"""``astage demo``: the README's main job, on an embedded default.
+
+Two local processes join a gloo group on 127.0.0.1 and each trains a small built-in model
+on synthetic data in an async loop.  Every few steps each rank checkpoints through a
+:class:`Checkpointer` whose saves are also replicated to its ring peer.  At the end each
+rank restores its latest checkpoint and checks it bit for bit against what it saved; then
+it deletes its local copy (a lost disk) and restores again, from the replica its peer
+holds.  Rank 0 shows a progress bar; the parent prints a summary table.  Uses the public
+API only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import socket
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import astage
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512), torch.nn.Linear(512, 256)
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and torch.equal(a, b)
+    if isinstance(b, dict):
+        return isinstance(a, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in b)
+    if isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+async def _rank_main(rank: int, world: int, root: Path, steps: int, every: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model, opt = _model()
+    peer = (rank + world // 2) % world  # holds this rank's replica
+    saves: list[tuple[float, astage.SaveHandle]] = []
+    expected: dict[str, Any] = {}
+    progress = Progress(transient=True, disable=rank != 0)
+    async with (
+        astage.ReplicationStager(storage_dir=root / "replicas" / f"rank{rank}", timeout=60) as replication,
+        astage.Checkpointer(
+            root / "checkpoints",
+            rank=rank,
+            keep=2,
+            replication=replication,
+            fallback_dirs=[root / "replicas" / f"rank{peer}"],
+        ) as ckpt,
+    ):
+        with progress:
+            task = progress.add_task("training", total=steps)
+            for step in range(1, steps + 1):
+                x = torch.randn(64, 256)
+                loss = (model(x) - x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if step % every == 0:
+                    weights = model.state_dict()
+                    expected = {"model": {k: v.clone() for k, v in weights.items()}, "step": step}
+                    state = {"model": weights, "optim": opt.state_dict(), "step": step}
+                    handle = await ckpt.save(step, state)  # returns once staged: train on
+                    saves.append((float(loss.detach()), handle))
+                progress.advance(task)
+                await asyncio.sleep(0)  # a real trainer awaits its data here
+            await ckpt.wait()
+        rows = []
+        for loss_value, handle in saves:
+            stats = await handle.wait()
+            rows.append(
+                {
+                    "step": stats.step,
+                    "loss": loss_value,
+                    "mb": stats.nbytes / 1e6,
+                    "blocked_ms": stats.staging_seconds * 1e3,
+                    "persist_ms": stats.persist_seconds * 1e3,
+                    "replicate_ms": (stats.replicate_seconds or 0.0) * 1e3,
+                    "gbps": stats.gbps,
+                }
+            )
+        latest = ckpt.latest()
+        restored = await ckpt.restore()
+        local_ok = _same({"model": restored["model"], "step": restored["step"]}, expected)
+        # A lost file: remove this rank's local data of the latest step, restore from the peer.
+        (root / "checkpoints" / f"step_{latest:010d}" / f"rank{rank:05d}.astage").unlink()
+        from_peer = await ckpt.restore(latest)
+        peer_ok = _same({"model": from_peer["model"], "step": from_peer["step"]}, expected)
+    return {"rank": rank, "latest": latest, "local_ok": local_ok, "peer_ok": peer_ok, "saves": rows}
+
+
+def _child(rank: int, world: int, port: int, root: str, steps: int, every: int, out: Any) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        try:
+            out.put(asyncio.run(_rank_main(rank, world, Path(root), steps, every)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report, never hang the parent
+        out.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_demo(steps: int = 24, every: int = 4, ranks: int = 2, directory: Path | None = None) -> int:
+    """Run the demo; returns the process exit code (0: every check passed)."""
+    console = Console()
+    if ranks < 2 or steps < every or every < 1:
+        raise astage.ConfigurationError("the demo needs --ranks >= 2 and 1 <= --every <= --steps")
+    with tempfile.TemporaryDirectory(prefix="astage-demo-") as tmp:
+        root = directory or Path(tmp)
+        console.print(
+            f"astage demo: {ranks} ranks on 127.0.0.1 (gloo), checkpoints and replicas under {root}"
+        )
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_child, args=(r, ranks, port, str(root), steps, every, out))
+            for r in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r["rank"])
+        for p in procs:
+            p.join(timeout=60)
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        console.print(f"[red]rank {r['rank']} failed: {r['error']}[/red]")
+    if failed:
+        return 1
+    table = Table(title="checkpoints (rank 0; every save also replicated to its peer)")
+    for column in ("step", "loss", "MB", "blocked ms", "persist ms", "replicate ms", "GB/s"):
+        table.add_column(column, justify="right")
+    for row in results[0]["saves"]:
+        table.add_row(
+            str(row["step"]),
+            f"{row['loss']:.4f}",
+            f"{row['mb']:.2f}",
+            f"{row['blocked_ms']:.1f}",
+            f"{row['persist_ms']:.1f}",
+            f"{row['replicate_ms']:.1f}",
+            f"{row['gbps']:.2f}",
+        )
+    console.print(table)
+    checks = Table(title="restore checks")
+    for column in ("rank", "latest step", "restored locally", "restored from peer replica"):
+        checks.add_column(column)
+    for r in results:
+        checks.add_row(str(r["rank"]), str(r["latest"]), _mark(r["local_ok"]), _mark(r["peer_ok"]))
+    console.print(checks)
+    ok = all(r["local_ok"] and r["peer_ok"] for r in results)
+    console.print("[green]all checks passed[/green]" if ok else "[red]a restore check failed[/red]")
+    return 0 if ok else 1
+
+
+def _mark(ok: bool) -> str:
+    return "[green]yes, bit-exact[/green]" if ok else "[red]NO[/red]"
