@@ -23,6 +23,7 @@ import dataclasses
 import decimal
 import enum
 import fractions
+import sys
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, NoReturn, cast
@@ -32,10 +33,13 @@ import torch
 from ._errors import Attr, KeyPath, UnsupportedInputError
 from ._slices import SLICE_SECONDS, Steps, clock, drive
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+
+def _dtensor_class() -> type | None:
+    """DTensor if torch.distributed.tensor is loaded (it costs ~1.7 s to import; a state_dict
+    cannot hold a DTensor unless its user has imported it already)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
 
 _CPU = torch.device("cpu")
 
@@ -324,7 +328,7 @@ class _Planner:
         elif cls is torch.nn.Parameter:
             kind = TensorKind.PARAMETER
             local = x
-        elif DTensor is not None and cls is DTensor:
+        elif cls is _dtensor_class():
             kind = TensorKind.DTENSOR
             local = x._local_tensor  # type: ignore[attr-defined]
             dtensor_spec = x._spec  # type: ignore[attr-defined]
@@ -389,7 +393,8 @@ class _Collector(_Planner):
 
     def new_tensor(self, x: torch.Tensor, path: KeyPath) -> TensorNode:
         index = len(self.sources)
-        self.sources.append(x._local_tensor if DTensor is not None and type(x) is DTensor else x)
+        is_dtensor = type(x) is not torch.Tensor and type(x) is _dtensor_class()
+        self.sources.append(x._local_tensor if is_dtensor else x)  # type: ignore[attr-defined]
         self.tensor_index[id(x)] = index
         self.keepalive.append(x)
         return TensorNode(index)
@@ -480,7 +485,7 @@ class _Rebuilder:
         if spec.kind is TensorKind.PARAMETER:
             out = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
         elif spec.kind is TensorKind.DTENSOR:
-            out = DTensor(local, spec.dtensor_spec, requires_grad=spec.requires_grad)  # type: ignore[no-untyped-call]
+            out = cast(Any, _dtensor_class())(local, spec.dtensor_spec, requires_grad=spec.requires_grad)
         else:
             out = local.requires_grad_(spec.requires_grad) if spec.requires_grad else local
         if spec.attrs is not None:
