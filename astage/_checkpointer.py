@@ -56,7 +56,6 @@ from typing import Any, Final, Literal, Protocol, Self, runtime_checkable
 import anyio
 import anyio.abc
 import crc32c
-import torch
 
 from ._errors import (
     AstageError,
@@ -68,13 +67,12 @@ from ._errors import (
 )
 from ._format import ReplicaHeader, encode
 from ._persist import (
-    _chunks,
-    _fsync_dirs,
-    _make_dirs,
-    _ReplicaFile,
     blocking_io,
     find_replicas,
+    fsync_dirs,
     is_temp_name,
+    load_replica,
+    make_dirs,
     write_replica,
 )
 from ._stager import AsyncStager, DefaultStager, StageStats
@@ -298,9 +296,9 @@ def _open_directory(directory: Path, rank: int) -> int:
     if directory.exists() and not directory.is_dir():
         raise ConfigurationError(f"checkpoint directory {directory} exists and is not a directory")
     try:
-        created = _make_dirs(directory)
+        created = make_dirs(directory)
         if created:
-            _fsync_dirs(sorted({d.parent for d in created}))
+            fsync_dirs(sorted({d.parent for d in created}))
         fd = os.open(
             directory / f".astage-rank{rank:05d}.lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600
         )
@@ -364,11 +362,11 @@ def _delete_step(step_dir: Path, marker: _Marker, marker_name: str) -> bool:
         log.warning("cannot delete the commit marker of %s: %s", step_dir, exc)
         return False
     try:
-        _fsync_dirs([step_dir])
+        fsync_dirs([step_dir])
         for entry in marker.files:
             _remove(step_dir / entry.name)
         if _remove_dir_if_empty(step_dir):
-            _fsync_dirs([step_dir.parent])
+            fsync_dirs([step_dir.parent])
     except OSError as exc:
         log.warning("cannot delete the files of %s (swept at the next start): %s", step_dir, exc)
     return True
@@ -380,24 +378,6 @@ def _discard_uncommitted(step_dir: Path, data_name: str) -> None:
 
 
 # -- loading --------------------------------------------------------------------------------
-
-
-async def _load_checked(
-    path: Path, check: Callable[[ReplicaHeader], None], limiter: anyio.CapacityLimiter | None
-) -> Any:
-    """:func:`astage._persist.load_replica`, calling ``check`` on the header of the very file
-    it reads (before the body is read), so a replica replaced meanwhile is never mistaken."""
-    f = await blocking_io(_ReplicaFile, path, limiter=limiter)
-    try:
-        header, _ = await blocking_io(f.header, limiter=limiter)
-        check(header)
-        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
-        for view, offset in _chunks(header, body):
-            await blocking_io(f.read_into, view, offset, limiter=limiter)
-        return await blocking_io(f.decode, header, body, limiter=limiter)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await blocking_io(f.close, limiter=limiter)
 
 
 def _header_check(
@@ -1035,7 +1015,7 @@ class Checkpointer:
                 path, step=step, rank=self._rank, checkpoint_id=marker.checkpoint_id, entry=marker.files[0]
             )
             try:
-                return await _load_checked(path, check, self._limiter)
+                return await load_replica(path, limiter=self._limiter, check=check)
             except (IntegrityError, OSError) as exc:
                 log.warning("the local checkpoint of step %d is unusable, trying replicas: %s", step, exc)
                 problems.append(str(exc))
@@ -1048,7 +1028,7 @@ class Checkpointer:
                 entry=None,
             )
             try:
-                state = await _load_checked(path, check, self._limiter)
+                state = await load_replica(path, limiter=self._limiter, check=check)
             except (IntegrityError, OSError) as exc:
                 log.warning("replica %s is unusable: %s", path, exc)
                 problems.append(str(exc))

@@ -141,16 +141,21 @@ async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.Capacity
     the batch it is copying, and this waits for that (a few ms) before the cancellation
     propagates, so no thread writes into a buffer after this returns.
     """
-    stop, started, done = threading.Event(), threading.Event(), threading.Event()
+    stop, done = threading.Event(), threading.Event()
+    claim = threading.Lock()
+    state = ["queued"]  # -> "running" (claimed by the thread) or "dropped" (by a cancellation)
     # An idle worker thread keeps its last call's arguments alive: the batches travel in a
-    # box emptied by the thread, so a parked thread cannot pin staged tensors.
+    # box emptied by the thread (or by a cancellation), so nothing parked pins the buffers.
     box = [list(plan_batches)]
 
     def work() -> None:
-        started.set()
+        with claim:
+            if state[0] == "dropped":
+                return
+            state[0] = "running"
         try:
             for batch in box.pop():
-                if stop.is_set():  # checked after `started` is set: see below
+                if stop.is_set():
                     return
                 run_batch(batch)
         finally:
@@ -160,9 +165,12 @@ async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.Capacity
         await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
     except BaseException:
         stop.set()
-        # If the thread has not started yet it will see `stop` before touching anything;
-        # if it has, wait for the batch it is copying.
-        if started.is_set():
+        with claim:
+            running = state[0] == "running"
+            if not running:  # the thread will never touch the batches: drop them now
+                state[0] = "dropped"
+                box.clear()
+        if running:  # wait for the batch it is copying
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(done.wait)
         raise

@@ -110,7 +110,7 @@ async def blocking_io(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityL
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
-def _make_dirs(directory: Path) -> list[Path]:
+def make_dirs(directory: Path) -> list[Path]:
     missing = []
     while not directory.is_dir():
         missing.append(directory)
@@ -143,7 +143,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> int:
     return total
 
 
-def _fsync_dirs(directories: list[Path]) -> None:
+def fsync_dirs(directories: list[Path]) -> None:
     for directory in directories:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -256,7 +256,7 @@ class ReplicaWriter:
             raise ClosedError(f"ReplicaWriter for {self.path} was already opened")
         self._state = "open"
         self._started = time.perf_counter()
-        self._new_dirs = await self._run("open", _make_dirs, self.path.parent)
+        self._new_dirs = await self._run("open", make_dirs, self.path.parent)
         self._fd = await self._run("open", _open_exclusive, self.temp_path)
         self._created = True
 
@@ -302,7 +302,7 @@ class ReplicaWriter:
             self._created = False
             self._state = "done"
             dirs = [self.path.parent, *{d.parent for d in self._new_dirs}]
-            await self._run("dir-fsync", _fsync_dirs, dirs)
+            await self._run("dir-fsync", fsync_dirs, dirs)
         seconds = time.perf_counter() - self._started
         log.debug(
             "wrote %s: %d bytes in %.4fs (%.2f GB/s)",
@@ -457,27 +457,35 @@ def _chunks(header: ReplicaHeader, body: torch.Tensor) -> Iterator[tuple[memoryv
         yield view[start : start + CHUNK_NBYTES], header.prefix_nbytes + start
 
 
-async def load_replica(path: str | os.PathLike[str], *, limiter: anyio.CapacityLimiter | None = None) -> Any:
+async def load_replica(
+    path: str | os.PathLike[str],
+    *,
+    limiter: anyio.CapacityLimiter | None = None,
+    check: Callable[[ReplicaHeader], None] | None = None,
+) -> Any:
     """Read, validate and rebuild the state_dict stored at ``path`` (tensors on the CPU).
 
     Reads in worker threads, in chunks; checksums are verified (in a worker thread) before
     anything is returned.  Tensors share one body buffer (see :func:`astage._format.decode`).
 
+    :param check: called with the header of the very file being read, before its body is
+        read; it raises to refuse the file (so a file replaced meanwhile is never mistaken).
     :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt or
         tampered anywhere.
     :raises OSError: the file cannot be opened or read.
     """
-    run = blocking_io
-    f = await run(_ReplicaFile, Path(path), limiter=limiter)
+    f = await blocking_io(_ReplicaFile, Path(path), limiter=limiter)
     try:
-        header, _ = await run(f.header, limiter=limiter)
+        header, _ = await blocking_io(f.header, limiter=limiter)
+        if check is not None:
+            check(header)
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
         for view, offset in _chunks(header, body):
-            await run(f.read_into, view, offset, limiter=limiter)
-        return await run(f.decode, header, body, limiter=limiter)
+            await blocking_io(f.read_into, view, offset, limiter=limiter)
+        return await blocking_io(f.decode, header, body, limiter=limiter)
     finally:
         with anyio.CancelScope(shield=True):
-            await run(f.close, limiter=limiter)
+            await blocking_io(f.close, limiter=limiter)
 
 
 def load_replica_sync(path: str | os.PathLike[str]) -> Any:
