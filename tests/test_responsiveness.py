@@ -34,6 +34,16 @@ async def heartbeat_gaps(work: object) -> tuple[list[float], float]:
     return gaps, time.perf_counter() - started
 
 
+def assert_loop_kept_its_turn(gaps: list[float], elapsed: float) -> None:
+    """Generous bounds that still fail a blocked loop, whose one gap spans the whole stage.
+
+    (The benchmarks measure the real lag; this only pins down that the loop is not blocked,
+    stably on a loaded 2-core machine where a garbage collection can take 100+ ms.)
+    """
+    assert len(gaps) >= elapsed / 0.025, (len(gaps), elapsed)  # a beat every 25 ms on average
+    assert max(gaps) < max(0.15, elapsed / 2), (max(gaps), elapsed)
+
+
 async def test_heartbeat_keeps_ticking_during_a_512_mib_stage() -> None:
     sd = {f"layer{i}": torch.randn(16 << 20) for i in range(8)}  # 8 x 64 MiB
     async with DefaultStager() as stager:
@@ -43,9 +53,7 @@ async def test_heartbeat_keeps_ticking_during_a_512_mib_stage() -> None:
 
         gaps, elapsed = await heartbeat_gaps(work)
     assert elapsed > 0.02
-    assert len(gaps) >= 10
-    # Generous: a blocked loop would show one gap as long as the whole copy.
-    assert max(gaps) < max(0.05, elapsed / 4), (max(gaps), elapsed)
+    assert_loop_kept_its_turn(gaps, elapsed)
 
 
 async def test_heartbeat_keeps_ticking_while_staging_many_small_tensors() -> None:
@@ -56,4 +64,4 @@ async def test_heartbeat_keeps_ticking_while_staging_many_small_tensors() -> Non
             await stager.stage(sd)
 
         gaps, elapsed = await heartbeat_gaps(work)
-    assert max(gaps) < max(0.05, elapsed / 4), (max(gaps), elapsed)
+    assert_loop_kept_its_turn(gaps, elapsed)
