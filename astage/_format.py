@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import gc
 import json
 import math
 import struct
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import crc32c
 import torch
@@ -116,15 +119,19 @@ _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _KINDS: Final = {"tensor": TensorKind.TENSOR, "parameter": TensorKind.PARAMETER}
 _NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _SCALARS: Final = (type(None), bool, int, float, str)
+_NAN_KEY: Final = ["float", "nan"]
 _CPU: Final = torch.device("cpu")
 
 
 # -- data ---------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Segment:
-    """Where one storage's bytes lie in the body, and their crc32c."""
+class Segment(NamedTuple):
+    """Where one storage's bytes lie in the body, and their crc32c.
+
+    A NamedTuple rather than a frozen dataclass: a header holds one per storage, and a
+    NamedTuple is built several times faster (headers of 20,000 storages are parsed).
+    """
 
     offset: int
     nbytes: int
@@ -178,29 +185,33 @@ class ReplicaHeader:
         return self.prefix_nbytes + self.body_nbytes
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)
 class Encoded:
     """A staged state_dict laid out as a replica, ready to write or send.
 
-    :ivar header: the header, exactly as a reader will parse it.
     :ivar prefix: every byte before the body.
     :ivar segments: ``(body offset, uint8 CPU tensor)`` per storage, viewing the staged
         storages themselves (nothing is copied); the bytes between them are zero.
+    :ivar body_nbytes: length of the body.
     """
 
-    header: ReplicaHeader
     prefix: bytes
     segments: tuple[tuple[int, torch.Tensor], ...]
+    body_nbytes: int
 
-    @property
-    def body_nbytes(self) -> int:
-        """Length of the body."""
-        return self.header.body_nbytes
+    @functools.cached_property
+    def header(self) -> ReplicaHeader:
+        """The header, exactly as a reader parses it.
+
+        Parsed on first use, not by :func:`encode`: a sender needs only the bytes, and on
+        20,000 tensors the parse costs as much as the rest of encoding.
+        """
+        return parse_prefix(self.prefix)
 
     @property
     def total_nbytes(self) -> int:
         """Length of the whole replica."""
-        return self.header.total_nbytes
+        return len(self.prefix) + self.body_nbytes
 
     def buffers(self, chunk_nbytes: int = 16 << 20) -> Iterator[memoryview]:
         """The whole replica, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
@@ -239,9 +250,49 @@ def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
+# -- bulk work ----------------------------------------------------------------------------
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+def _without_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with the cyclic garbage collector paused (nesting and threads allowed).
+
+    Encoding or parsing the header of 20,000 tensors makes a few hundred thousand lists and
+    tuples that all survive the call; each 700 of them trigger a collection that walks the
+    young objects, and the older generations are walked again and again as they grow,
+    which measured 2-3x the work itself.  Nothing here makes reference cycles; whatever the
+    program makes meanwhile is collected once the outermost pause ends.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        global _gc_pauses, _gc_was_enabled
+        with _gc_lock:
+            if _gc_pauses == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_pauses += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with _gc_lock:
+                _gc_pauses -= 1
+                if _gc_pauses == 0 and _gc_was_enabled:
+                    gc.enable()
+
+    return paused
+
+
 # -- encoding -----------------------------------------------------------------------------
 
 
+@_without_gc
 def encode(
     staged_state_dict: Any,
     *,
@@ -274,9 +325,10 @@ def encode(
     for storage in source.storages:
         offset = _align(end)
         data = _storage_bytes(storage)
+        nbytes = storage.nbytes()
         segments.append((offset, data))
-        storage_entries.append([offset, data.numel(), crc32c.crc32c(byte_view(data))])
-        end = offset + data.numel()
+        storage_entries.append([offset, nbytes, crc32c.crc32c(data.numpy().data)])
+        end = offset + nbytes
     doc = {
         "format": FORMAT_VERSION,
         "owner_rank": owner_rank,
@@ -290,8 +342,7 @@ def encode(
         "tree": tree,
     }
     prefix = _prefix_bytes(json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")))
-    # The header handed back is built by the reader's own checks from the same document.
-    return Encoded(_HeaderParser(len(prefix)).parse(doc), prefix, tuple(segments))
+    return Encoded(prefix, tuple(segments), end)
 
 
 def _check_meta(
@@ -359,6 +410,17 @@ def _attr_name_ok(name: object) -> bool:
     return type(name) is str and name.isidentifier() and not name.startswith("__")
 
 
+def _namedtuple_class(typename: str, fields: Sequence[str]) -> type:
+    """The class a reader makes for a namedtuple; ValueError/TypeError for bad names.
+
+    Validates the name and fields as identifiers (no keywords, no leading underscores, no
+    repeats); imports and executes nothing.  The encoder calls it too, so that it refuses
+    whatever a reader would.
+    """
+    made: type = collections.namedtuple(typename, fields)  # type: ignore[misc]
+    return made
+
+
 def _namedtuple_fields(cls: type) -> tuple[str, ...] | None:
     fields = getattr(cls, "_fields", None)
     if issubclass(cls, tuple) and isinstance(fields, tuple) and all(type(f) is str for f in fields):
@@ -367,12 +429,19 @@ def _namedtuple_fields(cls: type) -> tuple[str, ...] | None:
 
 
 class _TreeEncoder:
-    """Plan nodes to the JSON tree (see docs/format.md), rejecting what JSON cannot hold."""
+    """Plan nodes to the JSON tree (see docs/format.md), rejecting what JSON cannot hold.
+
+    It refuses everything the reader (:class:`_HeaderParser`) would refuse in an honest
+    header (too many dimensions, several NaN keys in one dict, namedtuple names that are not
+    identifiers), so that a replica that leaves :func:`encode` always parses: a peer that
+    could not parse it would have to abort the transfer and break the process group.
+    """
 
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
         self.memo: dict[int, int] = {}  # plan memo -> post-order container number
         self.seen: set[int] = set()
+        self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
@@ -401,6 +470,8 @@ class _TreeEncoder:
                         json_keys.append(_scalar(key))
                     except (TypeError, ValueError) as exc:
                         raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
+                if json_keys.count(_NAN_KEY) > 1:
+                    raise UnsupportedInputError(path, "several NaN dict keys would read back as one")
                 json_values = [self.node(v, (*path, k), depth + 1) for k, v in zip(keys, values, strict=True)]
                 json_attrs = {}
                 for name, value in attrs:
@@ -419,6 +490,8 @@ class _TreeEncoder:
                         path,
                         f"{cls.__qualname__} cannot be stored in a replica (only list, tuple, namedtuple)",
                     )
+                if fields is not None:
+                    self._check_namedtuple(cls, fields, len(items), path)
                 self._check_depth(path, depth)
                 json_items = [self.node(v, (*path, i), depth + 1) for i, v in enumerate(items)]
                 self._done(memo)
@@ -440,10 +513,26 @@ class _TreeEncoder:
         if depth >= MAX_DEPTH:
             raise UnsupportedInputError(path, f"containers nested deeper than {MAX_DEPTH} levels")
 
+    def _check_namedtuple(self, cls: type, fields: tuple[str, ...], arity: int, path: KeyPath) -> None:
+        if (cls.__name__, fields) not in self.namedtuples:
+            try:
+                _namedtuple_class(cls.__name__, fields)
+            except (ValueError, TypeError) as exc:
+                raise UnsupportedInputError(
+                    path, f"{cls.__qualname__} cannot be stored in a replica: {exc}"
+                ) from exc
+            self.namedtuples.add((cls.__name__, fields))
+        if arity != len(fields):
+            raise UnsupportedInputError(path, f"{cls.__qualname__} holds {arity} items, {len(fields)} fields")
+
     @staticmethod
     def _check_tensor(spec: TensorSpec, path: KeyPath) -> None:
         if spec.dtype not in _DTYPE_NAMES:
             raise UnsupportedInputError(path, f"dtype {spec.dtype} is not in the replica format's allow-list")
+        if len(spec.size) > MAX_NDIM:
+            raise UnsupportedInputError(
+                path, f"{len(spec.size)} dimensions, the replica format holds at most {MAX_NDIM}"
+            )
         if spec.conj or spec.neg:
             raise UnsupportedInputError(
                 path,
@@ -480,6 +569,7 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
     return _align(FIXED_PREFIX_NBYTES + header_len + _CRC.size)
 
 
+@_without_gc
 def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
     """Validate a replica's prefix and return its header; bytes after the prefix are ignored.
 
@@ -539,6 +629,16 @@ def _object(
     if type(value) is not dict or not required <= value.keys() <= required | optional:
         raise _fail(where, f"expected an object with keys {sorted(required)}, got {value!r:.120}")
     return value
+
+
+def _dims(value: Any, where: str, what: str) -> tuple[int, ...]:
+    """A shape-like list: at most :data:`MAX_NDIM` ints in [0, 2**63)."""
+    if type(value) is not list or len(value) > MAX_NDIM:
+        raise _fail(where, f"{what} must be a list of at most {MAX_NDIM} ints, got {value!r:.80}")
+    for n in value:
+        if type(n) is not int or not 0 <= n < _INT64:
+            raise _fail(where, f"{what} {value!r:.80} holds {n!r:.40}, not an int in [0, 2**63)")
+    return tuple(value)
 
 
 _DOC_KEYS: Final = frozenset(
@@ -628,46 +728,57 @@ class _HeaderParser:
     def segments(raw: list[Any], body_nbytes: int) -> tuple[Segment, ...]:
         # The layout is canonical (each segment at the first aligned offset after the
         # previous one, nothing after the last), so in-bounds and non-overlapping follow.
+        # One pass of inline checks: a header may list tens of thousands of storages.
         out = []
         end = 0
         for i, entry in enumerate(raw):
-            where = f"storages[{i}]"
-            offset, nbytes, crc = _list(entry, where, 3)
-            if offset != _align(end) or type(offset) is not int:
-                raise _fail(where, f"offset {offset!r:.40} is not the next aligned offset {_align(end)}")
-            end = offset + _int(nbytes, where)
+            if type(entry) is not list or len(entry) != 3:
+                raise _fail(f"storages[{i}]", f"expected a list of 3, got {entry!r:.80}")
+            offset, nbytes, crc = entry
+            aligned = _align(end)
+            if type(offset) is not int or offset != aligned:
+                raise _fail(f"storages[{i}]", f"offset {offset!r:.40} is not the aligned offset {aligned}")
+            if type(nbytes) is not int or type(crc) is not int or not (nbytes >= 0 and 0 <= crc < 1 << 32):
+                raise _fail(f"storages[{i}]", f"expected a length and a crc32c, got {entry!r:.80}")
+            end = offset + nbytes
             if end > body_nbytes:
-                raise _fail(where, f"bytes [{offset}, {end}) overrun the {body_nbytes}-byte body")
-            out.append(Segment(offset, nbytes, _int(crc, where, 0, 1 << 32)))
+                raise _fail(f"storages[{i}]", f"bytes [{offset}, {end}) overrun the {body_nbytes}-byte body")
+            out.append(Segment(offset, nbytes, crc))
         if end != body_nbytes:
             raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
         return tuple(out)
 
     @staticmethod
     def tensor(raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
+        # Inline checks, no helper calls per dimension: this runs once per tensor.
         if type(raw) is not list or len(raw) not in (7, 8):
             raise _fail(where, f"expected a list of 7 or 8 fields, got {raw!r:.80}")
         storage, dtype_name, shape, stride, offset, kind, requires_grad = raw[:7]
-        _int(storage, where, 0, len(segments))
+        if type(storage) is not int or not 0 <= storage < len(segments):
+            raise _fail(where, f"storage {storage!r:.40} is not one of the {len(segments)} storages")
         dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise _fail(where, f"dtype {dtype_name!r:.40} is not allowed")
-        if len(_list(shape, where)) > MAX_NDIM:
-            raise _fail(where, f"{len(shape)} dimensions, at most {MAX_NDIM} allowed")
-        size = tuple(_int(n, where) for n in shape)
-        strides = tuple(_int(n, where) for n in _list(stride, where, len(size)))
-        _int(offset, where)
+        size = _dims(shape, where, "shape")
+        strides = _dims(stride, where, "stride")
+        if len(strides) != len(size):
+            raise _fail(where, f"{len(strides)} strides for {len(size)} dimensions")
+        if type(offset) is not int or not 0 <= offset < _INT64:
+            raise _fail(where, f"offset {offset!r:.40} is not an int in [0, 2**63)")
         if math.prod(size) >= _INT64:
             raise _fail(where, f"shape {size} has too many elements")
         if 0 not in size:
-            last = offset + sum((n - 1) * st for n, st in zip(size, strides, strict=True))
+            last = offset
+            for n, st in zip(size, strides, strict=True):
+                last += (n - 1) * st
             if last >= _INT64 or (last + 1) * dtype.itemsize > segments[storage].nbytes:
                 raise _fail(
                     where,
                     f"shape {size} with stride {strides} at offset {offset} reaches past its "
                     f"{segments[storage].nbytes}-byte storage",
                 )
-        if type(kind) is not str or kind not in _KINDS:
+        tensor_kind = _KINDS.get(kind) if type(kind) is str else None
+        if tensor_kind is None:
             raise _fail(where, f"kind must be one of {sorted(_KINDS)}, got {kind!r:.40}")
         if type(requires_grad) is not bool:
             raise _fail(where, "requires_grad must be a bool")
@@ -678,9 +789,9 @@ class _HeaderParser:
             dt = _object(raw[7], f"{where} dtensor", _DTENSOR_KEYS)
             if type(dt["placements"]) is not str:
                 raise _fail(f"{where} dtensor", "placements must be a str")
-            global_shape = tuple(_int(n, f"{where} dtensor") for n in _list(dt["global_shape"], where))
+            global_shape = _dims(dt["global_shape"], f"{where} dtensor", "global_shape")
             note = DTensorNote(dt["placements"], global_shape)
-        return _RawTensor(storage, dtype, size, strides, offset, _KINDS[kind], requires_grad, note)
+        return _RawTensor(storage, dtype, size, strides, offset, tensor_kind, requires_grad, note)
 
     def scalar(self, raw: Any, path: KeyPath) -> Any:
         if type(raw) in _SCALARS:
@@ -744,12 +855,79 @@ class _HeaderParser:
         if known is not None:
             return known
         try:
-            # Validates typename and fields as identifiers; imports and executes nothing.
-            made: type = collections.namedtuple(typename, fields)  # type: ignore[misc]
+            made = _namedtuple_class(typename, fields)
         except (ValueError, TypeError) as exc:
             raise _fail(where, f"invalid namedtuple: {exc}") from exc
         self.namedtuples[key] = made
         return made
+
+
+class BodyVerifier:
+    """Checks a body against its header as the bytes arrive, in order: zero gaps, crcs.
+
+    Feed the body from its first byte with :meth:`update`, in pieces of any size, then call
+    :meth:`finish`.  Each storage's crc32c is compared as soon as its last byte is in, so a
+    body streamed from a peer is verified while later pieces are still on the wire, and no
+    second pass over it is needed.  CPU-bound (checksums): async callers run it in a worker
+    thread.
+    """
+
+    def __init__(self, header: ReplicaHeader) -> None:
+        self.header = header
+        self.nbytes = 0
+        self._index = 0  # the storage whose bytes come next
+        self._crc = 0  # running crc32c of that storage's bytes so far
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Check the next ``len(data)`` bytes of the body.
+
+        :raises IntegrityError: more bytes than the header says, non-zero padding, or a
+            storage whose checksum does not match.
+        """
+        view = memoryview(data).cast("B")
+        base = self.nbytes
+        end = base + len(view)
+        if end > self.header.body_nbytes:
+            raise IntegrityError(f"body is longer than the {self.header.body_nbytes} bytes the header says")
+        self._check(view, base, end)
+        self.nbytes = end
+
+    def finish(self) -> None:
+        """Check that the whole body came in.
+
+        :raises IntegrityError: fewer bytes than the header says.
+        """
+        if self.nbytes != self.header.body_nbytes:
+            raise IntegrityError(f"body is {self.nbytes} bytes, the header says {self.header.body_nbytes}")
+        self._check(memoryview(b""), self.nbytes, self.nbytes)  # empty storages at the very end
+
+    def _check(self, view: memoryview, base: int, end: int) -> None:
+        # Locals, not attributes, in the loop: it runs once per storage.
+        segments = self.header.segments
+        index, crc, pos = self._index, self._crc, base
+        try:
+            while index < len(segments):
+                offset, nbytes, expected = segments[index]
+                if pos < offset:
+                    stop = offset if offset < end else end
+                    if any(view[pos - base : stop - base]):
+                        raise IntegrityError(f"non-zero padding before storage {index}")
+                    pos = stop
+                seg_end = offset + nbytes
+                if seg_end > end:  # the storage goes on in the next piece
+                    if end > pos:
+                        crc = crc32c.crc32c(view[pos - base :], crc)
+                        pos = end
+                    return
+                if seg_end > pos:
+                    crc = crc32c.crc32c(view[pos - base : seg_end - base], crc)
+                    pos = seg_end
+                if crc != expected:
+                    raise IntegrityError(f"checksum mismatch in storage {index} (body bytes from {offset})")
+                index += 1
+                crc = 0
+        finally:
+            self._index, self._crc = index, crc
 
 
 def verify_body(header: ReplicaHeader, body: torch.Tensor) -> None:
@@ -764,13 +942,9 @@ def verify_body(header: ReplicaHeader, body: torch.Tensor) -> None:
     view = byte_view(body)
     if len(view) != header.body_nbytes:
         raise IntegrityError(f"body is {len(view)} bytes, the header says {header.body_nbytes}")
-    end = 0
-    for i, seg in enumerate(header.segments):
-        if any(view[end : seg.offset]):
-            raise IntegrityError(f"non-zero padding before storage {i}")
-        if crc32c.crc32c(view[seg.offset : seg.offset + seg.nbytes]) != seg.crc32c:
-            raise IntegrityError(f"checksum mismatch in storage {i} (body bytes from {seg.offset})")
-        end = seg.offset + seg.nbytes
+    verifier = BodyVerifier(header)
+    verifier.update(view)
+    verifier.finish()
 
 
 def decode(header: ReplicaHeader, body: torch.Tensor) -> Any:

@@ -24,7 +24,9 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -133,13 +135,38 @@ def _open_exclusive(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
-def _write_all(fd: int, buffers: list[memoryview]) -> int:
+_SYNC_FILE_RANGE_WRITE: Final = 2
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _write_all(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Write ``buffers`` at the end of the file (at ``offset``), then start their write-back.
+
+    Linux keeps written pages dirty until memory runs short or the final fsync, which then
+    waits for all of them.  Written back as they come (``sync_file_range``, which starts
+    the I/O and does not wait for it), the pages reach the disk while later chunks are still
+    being produced (a replica streamed from a peer), and fsync finds little left to do.  The
+    hint is advisory: its result is ignored, and fsync still reports any write error.
+    """
     total = 0
     for view in buffers:
         while view:
             n = os.write(fd, view)
             total += n
             view = view[n:]
+    start_writeback = _sync_file_range()
+    if start_writeback is not None and total:
+        start_writeback(fd, offset, total, _SYNC_FILE_RANGE_WRITE)
     return total
 
 
@@ -279,7 +306,7 @@ class ReplicaWriter:
         """
         fd = self._check_open()
         for batch in _batches(data, self._chunk):
-            self.nbytes_written += await self._run("write", _write_all, fd, batch)
+            self.nbytes_written += await self._run("write", _write_all, fd, batch, self.nbytes_written)
 
     async def commit(self) -> Path:
         """Fsync the temp file, rename it over the final path, fsync the directory.

@@ -1,4 +1,4 @@
-"""The staging benchmark runs end to end at its smoke-test size (no timing is asserted)."""
+"""The benchmarks run end to end at their smoke-test size (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,23 @@ def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
         assert any(part in done.stdout for part in row.split("|"))
     results = json.loads(out.read_text())["results"]
     assert {r["case"] for r in results} == {"gpt2-adam", "small-20k"}
+
+
+def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_replication", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for header in ("method", "median s", "min s", "GB/s", "x astage", "astage phases"):
+        assert header in done.stdout
+    for row in ("astage", "raw exchange", "raw write+fsync", "torch _ReplicationStager"):
+        assert row in done.stdout
+    assert "PASS" in done.stdout or "MISS" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    assert {r["case"] for r in results} == {"gpt2-like", "small-20k"}

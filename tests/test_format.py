@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import json
 import math
 import pickle
@@ -26,6 +27,8 @@ from astage._format import (
     HEADER_CAP,
     MAGIC,
     MAX_DEPTH,
+    MAX_NDIM,
+    BodyVerifier,
     decode,
     encode,
     parse_prefix,
@@ -422,6 +425,30 @@ def test_unsupported_dict_keys_and_deep_nesting_are_refused() -> None:
         encode(deep, owner_rank=0, step=0, checkpoint_id="")
 
 
+class KeywordFields(tuple[Any, ...]):
+    _fields = ("class", "y")
+
+
+class ShortFields(tuple[Any, ...]):
+    _fields = ("x",)
+
+
+@pytest.mark.parametrize(
+    ("state", "fragment"),
+    [
+        ({"t": torch.zeros([1] * (MAX_NDIM + 1))}, "dimensions"),
+        ({"d": {math.nan: 1, float("nan"): 2}}, "NaN"),
+        ({"k": KeywordFields((1, 2))}, "keyword"),
+        ({"k": ShortFields((1, 2))}, "2 items"),
+    ],
+    ids=["too many dims", "two NaN keys", "keyword field", "arity"],
+)
+def test_what_a_reader_would_refuse_is_refused_at_encode(state: Any, fragment: str) -> None:
+    with pytest.raises(astage.UnsupportedInputError, match=fragment) as info:
+        encode(state, owner_rank=0, step=0, checkpoint_id="")
+    assert info.value.key_path == (next(iter(state)),)
+
+
 def test_meta_tensors_are_refused() -> None:
     with pytest.raises(astage.UnsupportedInputError) as info:
         encode({"m": torch.empty(2, device="meta")}, owner_rank=0, step=0, checkpoint_id="")
@@ -505,6 +532,56 @@ def test_a_bit_flip_anywhere_is_detected() -> None:
                 damaged = bytearray(data)
                 damaged[i] ^= 1 << bit
                 assert_rejected(bytes(damaged), f"flip of bit {bit} at byte {i} ({name})")
+
+
+def _streamed(data: bytes, piece: int) -> None:
+    """Verify a replica's body the way a receiver does: in pieces of ``piece`` bytes."""
+    header = parse_prefix(data)
+    body = data[header.prefix_nbytes :]
+    verifier = BodyVerifier(header)
+    for start in range(0, len(body), piece):
+        verifier.update(body[start : start + piece])
+    verifier.finish()
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 64, 1000])
+def test_a_body_streamed_in_pieces_verifies_like_a_whole_one(piece: int) -> None:
+    state = {**SMALL, "empty": torch.zeros(0), "tail": torch.arange(5, dtype=torch.int16)}
+    _streamed(replica_bytes(state), piece)
+
+
+@pytest.mark.parametrize("piece", [1, 5, 64])
+def test_a_streamed_body_with_a_bit_flip_anywhere_is_rejected(piece: int) -> None:
+    data = replica_bytes(SMALL)
+    prefix = parse_prefix(data).prefix_nbytes
+    for i in range(prefix, len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 0x10
+        with pytest.raises(astage.IntegrityError, match=r"checksum|padding"):
+            _streamed(bytes(damaged), piece)
+
+
+def test_a_streamed_body_of_the_wrong_length_is_rejected() -> None:
+    data = replica_bytes(SMALL)
+    with pytest.raises(astage.IntegrityError, match="longer"):
+        _streamed(data + b"\x00", 7)
+    header = parse_prefix(data)
+    verifier = BodyVerifier(header)
+    verifier.update(data[header.prefix_nbytes : -1])
+    with pytest.raises(astage.IntegrityError, match="body is"):
+        verifier.finish()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_encoding_and_parsing_leave_the_garbage_collector_as_they_found_it(enabled: bool) -> None:
+    was = gc.isenabled()
+    switch = {True: gc.enable, False: gc.disable}
+    try:
+        switch[enabled]()
+        parse_prefix(replica_bytes(SMALL))
+        assert gc.isenabled() is enabled
+    finally:
+        switch[was]()
 
 
 def test_absurd_header_length_is_rejected_from_twenty_bytes() -> None:

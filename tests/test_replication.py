@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import astage
-from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError
+from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError, _replication
 from astage._persist import is_temp_name, replica_path
 from tests.distributed import kill_self, run_group, stop_self
 from tests.statedicts import bytes_equal, storage_key
@@ -173,6 +173,82 @@ def test_when_the_receiver_cannot_persist_both_sides_fail(tmp_path: Path) -> Non
     sent = sender.unwrap()
     assert sent["error"] == "PeerReportedError"
     assert "could not keep it" in sent["message"]
+
+
+async def corrupt_target(rank: int, world: int, root: str) -> dict[str, Any]:
+    storage = Path(root) / f"rank{rank}"
+    async with astage.ReplicationStager(storage_dir=storage, timeout=30, chunk_bytes=64 << 10) as rs:
+        first = await rs.replicate(state_of(rank, 100_000), step=1)
+        before = first.replica_path.read_bytes()
+        real_encode = _replication.encode
+
+        def encode_then_damage(*args: Any, **kwargs: Any) -> Any:
+            encoded = real_encode(*args, **kwargs)
+            _, data = encoded.segments[0]
+            data[-1] ^= 1  # after the checksums were taken: the peer must notice
+            return encoded
+
+        if rank == 0:
+            _replication.encode = encode_then_damage
+        try:
+            await rs.replicate(state_of(rank, 100_000), step=2)
+        except astage.AstageError as exc:
+            error: str | None = f"{type(exc).__name__}: {exc}"
+        else:
+            error = None
+        finally:
+            _replication.encode = real_encode
+        kept = first.replica_path.read_bytes()
+        again = await rs.replicate(state_of(rank, 100_000), step=3)  # the group is intact
+        again_ok = same_state(again.replica, state_of(1 - rank, 100_000))
+    return {
+        "error": error,
+        "previous_intact": kept == before,
+        "leftovers": [p.name for p in storage.iterdir() if is_temp_name(p.name)],
+        "again_ok": again_ok,
+    }
+
+
+def test_a_replica_damaged_on_the_way_is_refused_by_both_sides(tmp_path: Path) -> None:
+    sender, receiver = (r.unwrap() for r in run_group(2, corrupt_target, str(tmp_path), timeout=60))
+    assert receiver["error"] is not None
+    assert receiver["error"].startswith("IntegrityError"), receiver
+    assert "checksum mismatch" in receiver["error"]
+    assert sender["error"] is not None
+    assert sender["error"].startswith("PeerReportedError"), sender
+    assert receiver["previous_intact"]
+    assert sender["leftovers"] == receiver["leftovers"] == []
+    assert sender["again_ok"]
+    assert receiver["again_ok"]
+
+
+async def inbox_target(rank: int, world: int, root: str) -> dict[str, Any]:
+    peer = 1 - rank
+    async with astage.ReplicationStager(storage_dir=Path(root) / f"rank{rank}", timeout=30) as rs:
+        first = await rs.replicate(state_of(rank), step=1)
+        held = first.replica
+        second = await rs.replicate(state_of(rank + 10), step=2)
+        body = second.replica_header.body_nbytes
+        result = {
+            "held_intact": same_state(held, state_of(peer)),
+            "second_ok": same_state(second.replica, state_of(peer + 10)),
+        }
+        del first, held, second
+        for step in range(3, 6):
+            latest = await rs.replicate(state_of(rank + step), step=step)
+            result["latest_ok"] = same_state(latest.replica, state_of(peer + step))
+            del latest
+        result["buffers_allocated"] = rs._inbox.stats().allocated_bytes_ever // body
+        return result
+
+
+def test_received_replicas_reuse_buffers_but_never_overwrite_a_held_one(tmp_path: Path) -> None:
+    for result in run_group(2, inbox_target, str(tmp_path), timeout=60):
+        value = result.unwrap()
+        assert value["held_intact"]
+        assert value["second_ok"]
+        assert value["latest_ok"]
+        assert value["buffers_allocated"] == 2  # two replicas were held at once, no more
 
 
 async def recover_target(rank: int, world: int, root: str) -> Any:
