@@ -323,7 +323,9 @@ class ReplicaWriter:
         fd = self._check_open()
         await self._run("fsync", os.fsync, fd)
         self._fd = None
-        await self._run("close", os.close, fd)
+        # Shielded: once the descriptor is forgotten, a cancellation here would leak it.
+        with anyio.CancelScope(shield=True):
+            await self._run("close", os.close, fd)
         with anyio.CancelScope(shield=True):
             await self._run("replace", os.replace, self.temp_path, self.path)
             self._created = False

@@ -206,7 +206,7 @@ class ReplicationStager:
         if self._started:
             return
         self._started = True
-        self.storage_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        await blocking_io(functools.partial(self.storage_dir.mkdir, mode=0o700, parents=True, exist_ok=True))
         swept = await blocking_io(sweep_stale_temps, self.storage_dir)
         if swept:
             log.info("swept %d stale temp file(s) from %s", len(swept), self.storage_dir)

@@ -28,8 +28,8 @@ import astage
 from astage._format import encode
 from astage._persist import find_replicas, is_temp_name, replica_path, temp_path_for, write_replica
 from tests.distributed import run_group
+from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 from tests.statedicts import assert_same_tree, bytes_equal, random_tensor, rich_state_dict, tensors_of
-from tests.test_persist import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 
 # -- helpers ------------------------------------------------------------------------------
 

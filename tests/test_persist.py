@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -24,7 +23,6 @@ import anyio.lowlevel
 import crc32c
 import pytest
 import torch
-from blockbuster import blockbuster_ctx
 
 import astage
 from astage import _format
@@ -40,16 +38,7 @@ from astage._persist import (
     temp_path_for,
     write_replica,
 )
-
-
-@pytest.fixture(autouse=True)
-def no_blocking_calls_on_the_loop(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail any blocking call astage makes on an asyncio loop (blockbuster sees asyncio only)."""
-    if "anyio_backend" in request.fixturenames and request.getfixturevalue("anyio_backend") == "asyncio":
-        with blockbuster_ctx("astage"):
-            yield
-    else:
-        yield
+from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 
 
 def state(seed: int, nbytes: int = 4096) -> dict[str, Any]:
@@ -240,23 +229,6 @@ async def test_a_parent_that_is_a_file_fails_clearly(tmp_path: Path) -> None:
 
 
 # -- real failures on small or read-only filesystems ---------------------------------------
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A real, small tmpfs mounted at ``where`` (root with CAP_SYS_ADMIN only)."""
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip() or done.returncode}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def remount_read_only(where: Path) -> None:
