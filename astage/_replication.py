@@ -112,6 +112,10 @@ class ReplicationResult:
         return decode(self.replica_header, self._body)
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _remaining(deadline: float) -> float:
     return max(deadline - time.perf_counter(), 1e-3)
 
@@ -185,7 +189,9 @@ class ReplicationStager:
         self._retired: list[Path] = []
         self._lock: anyio.Lock | None = None
         self._started = False
-        self._broken: BaseException | None = None
+        # What broke the group, as text: keeping the exception would keep its traceback's
+        # frames, whose locals view the staged buffers, so the pool could never reclaim them.
+        self._broken: str | None = None
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -324,7 +330,7 @@ class ReplicationStager:
                         pass  # the peer failed too, and said so: the group is healthy
                     except TransportError as ack_failure:
                         # The peer was not told, and the transport broke the group doing so.
-                        self._broken = ack_failure
+                        self._broken = _describe(ack_failure)
                     raise
                 finally:
                     await sink.aclose()
@@ -338,7 +344,7 @@ class ReplicationStager:
                     sink.exchanged and isinstance(exc, Exception) and not isinstance(exc, TransportError)
                 )
                 if not completed:
-                    self._broken = exc
+                    self._broken = _describe(exc)
                 raise
             done = time.perf_counter()
         stats = ReplicationStats(
@@ -395,7 +401,7 @@ class ReplicationStager:
                     chunk_bytes=self.chunk_bytes,
                 )
             except TransportError as exc:
-                self._broken = exc
+                self._broken = _describe(exc)
                 raise
         if not received.prefix:
             return None

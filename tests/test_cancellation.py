@@ -494,12 +494,20 @@ async def replicate_sweep_target(rank: int, world: int, root: str, backend: str)
         return {"points": point, "statuses": statuses, "problems": problems}
 
 
-@pytest.mark.xfail(
-    reason="known bug, found by this test and not yet fixed: after a replicate() cancelled "
-    "mid-protocol, the staged copy's buffers stay referenced (not reclaimable) for a while",
-    strict=False,
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "asyncio",
+        pytest.param(
+            "trio",
+            marks=pytest.mark.xfail(
+                reason="known, not yet fixed: under trio a cancelled exchange returns only at its "
+                "deadline (its shielded group-break waits for a token of the link's own limiter)",
+                strict=False,
+            ),
+        ),
+    ],
 )
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_replicate_cancelled_at_every_await_point(tmp_path: Path, backend: str) -> None:
     """Rank 0 cancels its ``replicate`` at each of its task steps; rank 1 replicates normally.
 
