@@ -623,7 +623,9 @@ class _Link:
             # Whatever went wrong, the two sides no longer agree on what comes next.
             log.warning("rank %d: breaking the process group after a failed transfer: %r", self.rank, exc)
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._break, limiter=self.limiter)
+                # Not under the link's limiter: under trio its tokens stay with the abandoned
+                # waiting threads until they end, which is what breaking the group makes happen.
+                await anyio.to_thread.run_sync(self._break)
             raise
         stats = self.stats()
         log.debug(

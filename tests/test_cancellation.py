@@ -312,19 +312,11 @@ async def test_checkpointer_abandoned_at_every_await_point_of_a_save(tmp_path: P
 
 @contextlib.contextmanager
 def loop_guard(backend: str) -> Iterator[None]:
-    """:func:`tests.helpers.no_blocking_calls_on_the_loop` for a rank's process.
-
-    One entry is allowed, so that the sweep can run at all: ``ReplicationStager._start``
-    creates its directory on the loop (``Path.mkdir``: ``os.mkdir``, then ``os.stat``), a
-    bug of its own that :func:`test_replication_never_blocks_the_event_loop` pins down.
-    Remove the entry with the fix.
-    """
+    """:func:`tests.helpers.no_blocking_calls_on_the_loop` for a rank's process."""
     if backend != "asyncio":
         yield
         return
-    with blockbuster_ctx("astage") as guard:
-        for call in ("os.mkdir", "os.stat"):
-            guard.functions[call].can_block_in("astage/_replication.py", "_start")
+    with blockbuster_ctx("astage"):
         yield
 
 
@@ -498,14 +490,7 @@ async def replicate_sweep_target(rank: int, world: int, root: str, backend: str)
     "backend",
     [
         "asyncio",
-        pytest.param(
-            "trio",
-            marks=pytest.mark.xfail(
-                reason="known, not yet fixed: under trio a cancelled exchange returns only at its "
-                "deadline (its shielded group-break waits for a token of the link's own limiter)",
-                strict=False,
-            ),
-        ),
+        "trio",
     ],
 )
 def test_replicate_cancelled_at_every_await_point(tmp_path: Path, backend: str) -> None:
