@@ -884,6 +884,8 @@ class _NcclWire:
         return message
 
     def break_group(self) -> None:
+        # Blocking (abort, stream synchronisation): only ever called through _Link._break,
+        # which runs in a worker thread.
         # Aborting the communicator makes its kernels exit, so no launch waits any more on
         # a peer; torch keeps the bounce buffers alive until the NCCL stream is done with
         # them.  Our own copies never wait for NCCL: draining their streams is quick, and
