@@ -55,7 +55,16 @@ from ._format import (
     verify_body,
 )
 from ._options import StagingOptions
-from ._persist import ReplicaWriter, blocking_io, replica_path, sweep_stale_temps, temp_path_for
+from ._persist import (
+    ReplicaWriter,
+    _ReplicaFile,
+    blocking_io,
+    fsync_dirs,
+    make_dirs,
+    replica_path,
+    sweep_stale_temps,
+    temp_path_for,
+)
 from ._pool import BufferKind, BufferPool, Lease
 from ._stager import DefaultStager, StageStats
 
@@ -212,7 +221,8 @@ class ReplicationStager:
         if self._started:
             return
         self._started = True
-        await blocking_io(functools.partial(self.storage_dir.mkdir, mode=0o700, parents=True, exist_ok=True))
+        # Every missing directory, parents included, is made 0700 like the Checkpointer's.
+        await blocking_io(_make_storage_dir, self.storage_dir)
         swept = await blocking_io(sweep_stale_temps, self.storage_dir)
         if swept:
             log.info("swept %d stale temp file(s) from %s", len(swept), self.storage_dir)
@@ -430,26 +440,36 @@ class ReplicationStager:
         )
 
 
-def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
-    """A held replica's prefix and body, verified; ``None`` if missing or invalid."""
-    from ._format import FIXED_PREFIX_NBYTES, prefix_nbytes
+def _make_storage_dir(directory: Path) -> None:
+    created = make_dirs(directory)
+    if created:
+        fsync_dirs(sorted({d.parent for d in created}))
 
+
+def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
+    """A held replica's prefix and body, verified; ``None`` if missing or invalid.
+
+    Opened like every replica astage reads (:class:`astage._persist._ReplicaFile`): a link
+    or a FIFO planted under the replica's name is refused, never followed or waited on.
+    """
     try:
-        size = path.stat().st_size
-        if size < FIXED_PREFIX_NBYTES:
-            raise IntegrityError(f"{path} is truncated")
-        data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        n = prefix_nbytes(byte_view(data[:FIXED_PREFIX_NBYTES]))
-        prefix = bytes(byte_view(data[:n]))
-        header = parse_prefix(prefix)
-        body = data[n:]
-        verify_body(header, body)
+        f = _ReplicaFile(path)
     except FileNotFoundError:
         return None
     except (OSError, IntegrityError) as exc:
         log.warning("not sending the replica at %s back: %s", path, exc)
         return None
-    return prefix, body
+    try:
+        header, _ = f.header()
+        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
+        f.read_into(byte_view(body), header.prefix_nbytes)
+        verify_body(header, body)
+    except (OSError, IntegrityError) as exc:
+        log.warning("not sending the replica at %s back: %s", path, exc)
+        return None
+    finally:
+        f.close()
+    return f.prefix, body
 
 
 def _retire_previous(path: Path) -> Path | None:
