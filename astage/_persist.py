@@ -166,7 +166,12 @@ def _create_temp(open_dir: DirOpener, name: str) -> tuple[int, int]:
     a few system calls, so losing a thousand in a row takes a deliberate adversary.
     """
     for attempt in range(_OPEN_RETRIES):
-        dir_fd = open_dir()
+        try:
+            dir_fd = open_dir()
+        except FileNotFoundError:
+            if attempt + 1 == _OPEN_RETRIES:
+                raise
+            continue
         try:
             fd = os.open(
                 name,
