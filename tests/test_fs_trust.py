@@ -12,7 +12,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,3 +109,62 @@ async def test_a_step_directory_removed_while_empty_never_fails_the_save(tmp_pat
 
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
+
+
+# -- a commit stands once its marker is durable ----------------------------------------------
+
+
+def chattr(flag: str, path: Path) -> None:
+    done = subprocess.run(["chattr", flag, str(path)], capture_output=True, check=False)
+    if done.returncode:
+        pytest.skip(f"chattr {flag} is not available here: {done.stderr.decode().strip()}")
+
+
+async def test_a_retention_failure_after_the_commit_is_one_warning_not_a_failed_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with astage.Checkpointer(tmp_path, keep=1) as ckpt:
+        await (await ckpt.save(1, state(1))).wait()
+        marker = ckpt.step_dir(1) / "rank00000.COMMITTED"
+        chattr("+i", marker)  # root ignores permissions, not the immutable flag
+        try:
+            with caplog.at_level(logging.WARNING, logger="astage.checkpointer"):
+                for step in (2, 3):
+                    stats = await (await ckpt.save(step, state(step))).wait()
+                    assert stats.step == step
+                await ckpt.wait()
+            assert ckpt.steps() == [1, 3], "the undeletable step stays committed, the others go"
+            assert ckpt.latest() == 3
+            assert torch.equal((await ckpt.restore(1))["w"], state(1)["w"])
+        finally:
+            chattr("-i", marker)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "step 1, which stays committed" in warnings[0].getMessage()
+
+
+async def test_an_old_step_that_cannot_be_retired_never_fails_the_new_save(tmp_path: Path) -> None:
+    """On main, retention raised ``ValueError`` on a file name with a NUL byte taken from an
+    old marker, and the save just committed was reported as failed."""
+    step_dir = tmp_path / "step_0000000001"
+    step_dir.mkdir(mode=0o700)
+    (step_dir / "rank00000.astage").write_bytes(b"x")
+    (step_dir / "rank00000.COMMITTED").write_text(json.dumps(v1_marker(1, name="rank00000.astage\0")))
+    async with astage.Checkpointer(tmp_path, keep=1) as ckpt:
+        stats = await (await ckpt.save(2, state(2))).wait()
+        assert stats.step == 2
+        await ckpt.wait()
+        assert ckpt.latest() == 2
+
+
+def v1_marker(step: int, *, name: str = "rank00000.astage", rank: int = 0) -> dict[str, Any]:
+    """A commit marker as astage 0.1 wrote it (version 1, no checksum)."""
+    return {
+        "format": "astage-checkpoint",
+        "version": 1,
+        "step": step,
+        "rank": rank,
+        "checkpoint_id": "0" * 32,
+        "created": 1.5,
+        "files": [{"name": name, "nbytes": 1, "storages_crc32c": 0}],
+    }
