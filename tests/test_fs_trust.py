@@ -25,6 +25,9 @@ import pytest
 import torch
 
 import astage
+from astage._format import encode
+from astage._persist import ReplicaWriter, replica_path, write_replica
+from astage._replication import _read_replica_file
 from tests.helpers import no_blocking_calls_on_the_loop, until  # noqa: F401 - autouse fixture
 
 SCALE = int(os.environ.get("ASTAGE_SOAK_SCALE", "1"))
@@ -168,3 +171,130 @@ def v1_marker(step: int, *, name: str = "rank00000.astage", rank: int = 0) -> di
         "created": 1.5,
         "files": [{"name": name, "nbytes": 1, "storages_crc32c": 0}],
     }
+
+
+# -- links planted under the directory are never followed ------------------------------------
+
+
+class Outside:
+    """A directory outside the checkpoint directory, with a file that must stay untouched."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "outside"
+        self.dir.mkdir()
+        self.victim = self.dir / "victim"
+        self.victim.write_bytes(b"precious")
+        self.before = self.snapshot()
+
+    def snapshot(self) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(self.dir.iterdir()) if p.is_file()}
+
+    def check(self) -> None:
+        assert self.snapshot() == self.before, "a file outside the directory was created, changed or deleted"
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Outside:
+    return Outside(tmp_path)
+
+
+async def test_a_step_directory_planted_as_a_link_is_refused_not_written_through(
+    tmp_path: Path, outside: Outside
+) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "step_0000000001").symlink_to(outside.dir)
+    async with astage.Checkpointer(directory) as ckpt:
+        handle = await ckpt.save(1, state(1))
+        with pytest.raises(astage.PersistError, match="symbolic link"):
+            await handle.wait()
+        assert ckpt.steps() == []
+        await (await ckpt.save(2, state(2))).wait()
+    outside.check()
+    assert (directory / "step_0000000001").is_symlink()
+
+
+async def test_retention_never_deletes_through_a_step_directory_replaced_by_a_link(
+    tmp_path: Path, outside: Outside
+) -> None:
+    directory = tmp_path / "ckpt"
+    async with astage.Checkpointer(directory, keep=1) as ckpt:
+        await (await ckpt.save(1, state(1))).wait()
+        step_dir = ckpt.step_dir(1)
+        for name in ("rank00000.astage", "rank00000.COMMITTED"):
+            (outside.dir / name).write_bytes((step_dir / name).read_bytes())
+            (step_dir / name).unlink()
+        outside.before = outside.snapshot()
+        step_dir.rmdir()
+        step_dir.symlink_to(outside.dir)
+        await (await ckpt.save(2, state(2))).wait()
+        assert ckpt.latest() == 2
+    outside.check()
+
+
+async def test_a_commit_marker_planted_as_a_link_is_not_followed(tmp_path: Path, outside: Outside) -> None:
+    directory = tmp_path / "ckpt"
+    async with astage.Checkpointer(directory, keep=None) as ckpt:
+        await (await ckpt.save(1, state(1))).wait()
+    marker = directory / "step_0000000001" / "rank00000.COMMITTED"
+    (outside.dir / marker.name).write_bytes(marker.read_bytes())
+    outside.before = outside.snapshot()
+    marker.unlink()
+    marker.symlink_to(outside.dir / marker.name)
+    async with astage.Checkpointer(directory, keep=1) as ckpt:
+        assert ckpt.steps() == [], "a marker reached through a link commits nothing"
+        await (await ckpt.save(2, state(2))).wait()
+    outside.check()
+
+
+async def test_a_lock_file_planted_as_a_link_is_refused(tmp_path: Path, outside: Outside) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / ".astage-rank00000.lock").symlink_to(outside.dir / "lock")
+    with pytest.raises(astage.PersistError, match="symbolic link"):
+        async with astage.Checkpointer(directory):
+            pass
+    (directory / ".astage-rank00001.lock").symlink_to(outside.victim)
+    with pytest.raises(astage.PersistError, match="symbolic link"):
+        async with astage.Checkpointer(directory, rank=1):
+            pass
+    outside.check()
+
+
+async def test_a_data_file_or_temp_name_planted_as_a_link_is_replaced_or_refused(
+    tmp_path: Path, outside: Outside
+) -> None:
+    directory = tmp_path / "ckpt"
+    step_dir = directory / "step_0000000001"
+    step_dir.mkdir(parents=True)
+    (step_dir / "rank00000.astage").symlink_to(outside.victim)
+    async with astage.Checkpointer(directory) as ckpt:  # the uncommitted "file" is swept: the link
+        await (await ckpt.save(1, state(1))).wait()
+        assert torch.equal((await ckpt.restore(1))["w"], state(1)["w"])
+    assert not (step_dir / "rank00000.astage").is_symlink()
+
+    final = tmp_path / "replicas" / "r.astage"
+    final.parent.mkdir()
+    final.symlink_to(outside.victim)
+    writer = ReplicaWriter(final)
+    writer.temp_path.symlink_to(outside.dir / "created-through-the-temp")
+    with pytest.raises(astage.PersistError, match="open failed"):
+        await writer.open()
+    writer.temp_path.unlink()
+    await write_replica(final, encode(state(3), owner_rank=0, step=3, checkpoint_id="c"))
+    assert not final.is_symlink()
+    assert astage.load_replica_sync(final)["step"] == 3
+    outside.check()
+
+
+def test_a_held_replica_planted_as_a_link_is_never_sent_back(tmp_path: Path, outside: Outside) -> None:
+    valid = outside.dir / "valid.astage"
+    anyio.run(write_replica, valid, encode(state(1), owner_rank=1, step=1, checkpoint_id="c"))
+    outside.before = outside.snapshot()
+    held = replica_path(tmp_path, owner_rank=1, holder_rank=0)
+    held.symlink_to(valid)
+    assert _read_replica_file(held) is None
+    with pytest.raises(astage.IntegrityError, match="symbolic link"):
+        astage.load_replica_sync(held)
+    assert astage.find_replicas(tmp_path) == []
+    outside.check()
