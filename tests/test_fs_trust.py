@@ -12,11 +12,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +301,80 @@ def test_a_held_replica_planted_as_a_link_is_never_sent_back(tmp_path: Path, out
         astage.load_replica_sync(held)
     assert astage.find_replicas(tmp_path) == []
     outside.check()
+
+
+# -- FIFOs, sockets, directories and devices where a file is expected -------------------------
+
+
+class FifoGuard:
+    """Opens a FIFO's write end if a reader is still blocked on it after ``seconds``.
+
+    Lets a test of a loader that would block for ever fail instead of hanging the run.
+    """
+
+    def __init__(self, fifo: Path, seconds: float = 10.0) -> None:
+        self.fifo = fifo
+        self.seconds = seconds
+        self.released = threading.Event()
+        self.had_to_unblock = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        if not self.released.wait(self.seconds):
+            self.had_to_unblock = True
+            with contextlib.suppress(OSError):
+                os.close(os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    def __enter__(self) -> FifoGuard:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.released.set()
+        self.thread.join()
+        assert not self.had_to_unblock, f"a reader blocked on the FIFO {self.fifo}"
+
+
+def special_files(directory: Path) -> dict[str, Path]:
+    """A FIFO, a directory, a socket and a link to a character device, all named ``*.astage``."""
+    paths = {kind: directory / f"{kind}.astage" for kind in ("fifo", "directory", "socket", "device")}
+    os.mkfifo(paths["fifo"])
+    paths["directory"].mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(paths["socket"]))
+    paths["device"].symlink_to("/dev/zero")
+    return paths
+
+
+async def test_loaders_refuse_fifos_sockets_directories_and_devices_at_once(tmp_path: Path) -> None:
+    paths = special_files(tmp_path)
+    with FifoGuard(paths["fifo"]):
+        for kind, path in paths.items():
+            for load in (astage.load_replica_sync, astage.inspect_replica, _read_replica_file):
+                if load is _read_replica_file:
+                    assert await anyio.to_thread.run_sync(load, path) is None, kind
+                    continue
+                with pytest.raises(astage.IntegrityError, match="not a file astage wrote"):
+                    await anyio.to_thread.run_sync(load, path)
+            with pytest.raises(astage.IntegrityError, match="not a file astage wrote"):
+                await astage.load_replica(path)
+        assert await anyio.to_thread.run_sync(astage.find_replicas, tmp_path) == []
+        assert await anyio.to_thread.run_sync(astage.sweep_stale_temps, tmp_path) == []
+
+
+async def test_a_commit_marker_or_lock_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
+        await (await ckpt.save(1, state(1))).wait()
+    marker = tmp_path / "step_0000000001" / "rank00000.COMMITTED"
+    marker.unlink()
+    os.mkfifo(marker)
+    with FifoGuard(marker):
+        async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
+            assert ckpt.steps() == []
+            with pytest.raises(astage.ResourceError):
+                await ckpt.restore(1)
+    lock = tmp_path / ".astage-rank00002.lock"
+    os.mkfifo(lock)
+    with FifoGuard(lock), pytest.raises(astage.PersistError, match="FIFO"):
+        async with astage.Checkpointer(tmp_path, rank=2):
+            pass
