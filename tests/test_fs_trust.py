@@ -17,9 +17,11 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from astage._checkpointer import _FileEntry, _Marker, _marker_crc32c, _parse_mar
 from astage._format import encode
 from astage._persist import ReplicaWriter, replica_path, write_replica
 from astage._replication import _read_replica_file
+from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop, until  # noqa: F401 - autouse fixture
 
 SCALE = int(os.environ.get("ASTAGE_SOAK_SCALE", "1"))
@@ -467,3 +470,44 @@ async def test_a_marker_naming_a_file_with_a_nul_byte_never_escapes_as_a_raw_err
         with pytest.raises(astage.AstageError):
             await ckpt.restore(1)
         assert ckpt.steps() == []
+
+
+# -- directories astage creates are 0700 whatever the umask ------------------------------------
+
+
+def modes(root: Path, top: Path) -> dict[str, str]:
+    """The permission bits of ``top`` and every directory from ``root`` down to it."""
+    chain = [top, *[p for p in top.parents if root in p.parents]]
+    return {str(p.relative_to(root)): oct(stat.S_IMODE(p.stat().st_mode)) for p in chain}
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    previous = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+async def replication_dirs_target(rank: int, world: int, root: str) -> dict[str, str]:
+    storage = Path(root) / f"rank{rank}" / "a" / "b"
+    with umask(0):
+        async with astage.ReplicationStager(storage_dir=storage, timeout=30):
+            pass
+    return modes(Path(root), storage)
+
+
+def test_replication_storage_parents_are_0700_under_umask_0(tmp_path: Path) -> None:
+    for result in run_group(2, replication_dirs_target, str(tmp_path)):
+        assert set(result.unwrap().values()) == {"0o700"}, result.unwrap()
+
+
+async def test_checkpoint_and_replica_directories_are_0700_under_umask_0(tmp_path: Path) -> None:
+    with umask(0):
+        async with astage.Checkpointer(tmp_path / "c" / "d") as ckpt:
+            await (await ckpt.save(1, state(1))).wait()
+        replica = encode(state(1), owner_rank=0, step=1, checkpoint_id="c")
+        await write_replica(tmp_path / "r" / "s" / "x.astage", replica)
+    assert set(modes(tmp_path, ckpt.step_dir(1)).values()) == {"0o700"}
+    assert set(modes(tmp_path, tmp_path / "r" / "s").values()) == {"0o700"}
