@@ -1208,7 +1208,7 @@ class Checkpointer:
                 path, step=step, rank=self._rank, checkpoint_id=marker.checkpoint_id, entry=marker.files[0]
             )
             try:
-                return await load_replica(path, limiter=self._limiter, check=check)
+                return await self._load_local(step, path, check)
             except (IntegrityError, OSError) as exc:
                 log.warning("the local checkpoint of step %d is unusable, trying replicas: %s", step, exc)
                 problems.append(str(exc))
@@ -1239,6 +1239,21 @@ class Checkpointer:
         raise IntegrityError(
             f"cannot restore step {step} of rank {self._rank}: {where} unusable: " + "; ".join(problems)
         )
+
+    async def _load_local(self, step: int, path: Path, check: Callable[[ReplicaHeader], None]) -> Any:
+        """Load ``path``, this rank's file of ``step``, never through a link.
+
+        :raises PersistError: the step directory is a link or not a directory.
+        :raises IntegrityError: the file is not a regular file, is corrupt, or fails ``check``.
+        """
+        assert self._dir_fd is not None
+        opener = functools.partial(_open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
+        step_fd = await blocking_io(opener, limiter=self._limiter)
+        try:
+            return await load_replica(path, limiter=self._limiter, check=check, dir_fd=step_fd)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await blocking_io(os.close, step_fd, limiter=self._limiter)
 
     async def _replica_candidates(self, step: int, problems: list[str]) -> list[Path]:
         paths: list[Path] = []

@@ -566,10 +566,10 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None, fla
 class _ReplicaFile:
     """Blocking steps over one open replica file; run inline or in worker threads."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dir_fd: int | None = None) -> None:
         self.path = path
         self.prefix = b""  # the raw prefix, once :meth:`header` has read it
-        self.fd = open_regular(path)
+        self.fd = open_regular(path if dir_fd is None else path.name, dir_fd=dir_fd)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -625,6 +625,7 @@ async def load_replica(
     *,
     limiter: anyio.CapacityLimiter | None = None,
     check: Callable[[ReplicaHeader], None] | None = None,
+    dir_fd: int | None = None,
 ) -> Any:
     """Read, validate and rebuild the state_dict stored at ``path`` (tensors on the CPU).
 
@@ -633,11 +634,13 @@ async def load_replica(
 
     :param check: called with the header of the very file being read, before its body is
         read; it raises to refuse the file (so a file replaced meanwhile is never mistaken).
+    :param dir_fd: open ``path``'s name relative to this directory descriptor (``path``
+        itself then only names the file in messages).
     :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt or
         tampered anywhere; or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(_ReplicaFile, Path(path), limiter=limiter)
+    f = await blocking_io(_ReplicaFile, Path(path), dir_fd, limiter=limiter)
     try:
         header, _ = await blocking_io(f.header, limiter=limiter)
         if check is not None:

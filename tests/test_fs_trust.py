@@ -511,3 +511,17 @@ async def test_checkpoint_and_replica_directories_are_0700_under_umask_0(tmp_pat
         await write_replica(tmp_path / "r" / "s" / "x.astage", replica)
     assert set(modes(tmp_path, ckpt.step_dir(1)).values()) == {"0o700"}
     assert set(modes(tmp_path, tmp_path / "r" / "s").values()) == {"0o700"}
+
+
+async def test_restore_never_reads_through_a_step_directory_replaced_by_a_link(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    async with astage.Checkpointer(directory, keep=None) as ckpt:
+        await (await ckpt.save(1, state(1))).wait()
+        await (await ckpt.save(2, state(2))).wait()
+        step_dir = ckpt.step_dir(1)
+        moved = tmp_path / "moved"
+        step_dir.rename(moved)
+        step_dir.symlink_to(moved)
+        with pytest.raises(astage.IntegrityError, match="symbolic link"):
+            await ckpt.restore(1)
+        assert torch.equal((await ckpt.restore(2))["w"], state(2)["w"])
