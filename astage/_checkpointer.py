@@ -19,7 +19,15 @@ Invariants:
   :meth:`Checkpointer.latest` report committed steps only.
 * Retention runs only right after a commit and never removes the step just committed.  It
   removes a marker first and fsyncs the directory before removing the files, so a
-  half-deleted step is never committed.
+  half-deleted step is never committed.  A step it cannot delete stays committed; it never
+  fails the save whose commit triggered it (a commit stands once its marker is durable).
+* Nothing below the directory is followed: step directories are opened ``O_NOFOLLOW``
+  from the directory's descriptor and their files relative to theirs, so a link planted
+  under a step's name is foreign (refused, never written, read or deleted through).
+  Markers, like every file read back, are untrusted: checksummed, naming only this rank's
+  data file, and read only if they are regular files.
+* Several ranks may share the directory: a step directory is removed only while empty,
+  and a save whose step directory vanishes before its first file is in it creates it again.
 * Start-up removes what crashed runs of this rank left: astage temp files and step files
   without a marker, nothing else; an exclusive lock keeps a live writer's files safe.
 * At most ``max_in_flight`` saves are past staging and not yet finished; a further
