@@ -381,7 +381,7 @@ async def test_loaders_refuse_fifos_sockets_directories_and_devices_at_once(tmp_
         assert await anyio.to_thread.run_sync(astage.sweep_stale_temps, tmp_path) == []
 
 
-async def test_a_commit_marker_or_lock_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+async def test_a_commit_marker_data_file_or_lock_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
     async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
         await (await ckpt.save(1, state(1))).wait()
     marker = tmp_path / "step_0000000001" / "rank00000.COMMITTED"
@@ -392,6 +392,13 @@ async def test_a_commit_marker_or_lock_that_is_a_fifo_is_refused_at_once(tmp_pat
             assert ckpt.steps() == []
             with pytest.raises(astage.ResourceError):
                 await ckpt.restore(1)
+    data = tmp_path / "step_0000000002" / "rank00000.astage"
+    async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
+        await (await ckpt.save(2, state(2))).wait()
+        data.unlink()
+        os.mkfifo(data)
+        with FifoGuard(data), pytest.raises(astage.IntegrityError, match="FIFO"):
+            await ckpt.restore(2)
     lock = tmp_path / ".astage-rank00002.lock"
     os.mkfifo(lock)
     with FifoGuard(lock), pytest.raises(astage.PersistError, match="FIFO"):
