@@ -145,14 +145,19 @@ _OPEN_RETRIES: Final = 1000
 """Attempts at creating a temp file whose directory vanishes meanwhile (see :func:`_create_temp`)."""
 
 
+def make_dirs_durable(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, mode 0700, and fsync where they were made."""
+    created = make_dirs(directory)
+    if created:
+        fsync_dirs(sorted({d.parent for d in created}))
+
+
 def open_directory(directory: Path) -> int:
     """Create ``directory`` if missing (mode 0700, made durable) and open it.
 
     The path itself is the caller's and is followed like any path a user names.
     """
-    created = make_dirs(directory)
-    if created:
-        fsync_dirs(sorted({d.parent for d in created}))
+    make_dirs_durable(directory)
     return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 

@@ -59,8 +59,7 @@ from ._persist import (
     ReplicaWriter,
     _ReplicaFile,
     blocking_io,
-    fsync_dirs,
-    make_dirs,
+    make_dirs_durable,
     replica_path,
     sweep_stale_temps,
     temp_path_for,
@@ -222,7 +221,7 @@ class ReplicationStager:
             return
         self._started = True
         # Every missing directory, parents included, is made 0700 like the Checkpointer's.
-        await blocking_io(_make_storage_dir, self.storage_dir)
+        await blocking_io(make_dirs_durable, self.storage_dir)
         swept = await blocking_io(sweep_stale_temps, self.storage_dir)
         if swept:
             log.info("swept %d stale temp file(s) from %s", len(swept), self.storage_dir)
@@ -438,12 +437,6 @@ class ReplicationStager:
             timeout=_remaining(deadline),
             message=message,
         )
-
-
-def _make_storage_dir(directory: Path) -> None:
-    created = make_dirs(directory)
-    if created:
-        fsync_dirs(sorted({d.parent for d in created}))
 
 
 def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
