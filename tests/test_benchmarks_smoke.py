@@ -25,8 +25,28 @@ def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
         assert header in done.stdout
     for row in ("ceiling (copy_)", "astage", "torch DefaultStager", "torch Blocking", "PASS|MISS"):
         assert any(part in done.stdout for part in row.split("|"))
-    results = json.loads(out.read_text())["results"]
-    assert {r["case"] for r in results} == {"gpt2-adam", "small-20k"}
+    payload = json.loads(out.read_text())
+    cases = {"gpt2-adam", "small-20k", "moe-20k", "lora"}
+    assert {r["case"] for r in payload["results"]} == cases
+    assert set(payload["targets"]) == cases | {"checkpointer-save"}
+    for case in cases:
+        for method in ("astage", "torch DefaultStager"):
+            for phase in ("first", "steady"):
+                series = payload["lag_series"][case][method][phase]
+                assert len(series["t_s"]) == len(series["lag_ms"])
+                assert series["stage_s"] > 0
+    assert "(moe-20k)" in done.stdout
+    assert "Checkpointer.save (caller blocked)" in done.stdout
+    save = payload["checkpointer"]
+    assert save["tensors"] == 200
+    assert len(save["blocked_runs_s"]) == len(save["ceiling_runs_s"]) == 3  # first + 2 runs
+    incremental = [t for t in payload["targets"]["lora"] if "skip_unchanged steady" in t["target"]]
+    assert len(incremental) == 1
+    if incremental[0]["value"] is None:  # the core has no skip_unchanged yet: a clean n/a
+        assert "n/a (skip_unchanged not available)" in done.stdout
+        assert incremental[0]["pass"] is None
+    else:
+        assert any(r["method"] == "astage skip_unchanged" for r in payload["results"])
 
 
 def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
