@@ -64,6 +64,17 @@ def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
         assert header in done.stdout
     for row in ("astage", "raw exchange", "raw write+fsync", "torch _ReplicationStager"):
         assert row in done.stdout
+    assert "overlap floor max(raw exchange, raw write+fsync)" in done.stdout
     assert "PASS" in done.stdout or "MISS" in done.stdout
-    results = json.loads(out.read_text())["results"]
-    assert {r["case"] for r in results} == {"gpt2-like", "small-20k"}
+    payload = json.loads(out.read_text())
+    results = {r["case"]: r for r in payload["results"]}
+    assert set(results) >= {"gpt2-like", "small-20k"}
+    for case in ("gpt2-like", "small-20k"):
+        runs = results[case]["runs_s"]
+        floor = runs["overlap floor max(raw exchange, raw write+fsync)"]
+        raw = zip(runs["raw exchange"], runs["raw write+fsync"], strict=True)
+        assert floor == [max(x, w) for x, w in raw]
+        names = {t["target"] for t in payload["targets"][case]}
+        assert "astage / overlap floor (issue 11)" in names
+    small = {t["target"] for t in payload["targets"]["small-20k"]}
+    assert "torch _ReplicationStager / astage (issue 11)" in small
