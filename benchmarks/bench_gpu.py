@@ -59,8 +59,8 @@ CASES: dict[str, Callable[[float], Any]] = {
 }
 BANDWIDTH, CEILING = "bandwidth (one flat copy_)", "ceiling (pinned copy_)"
 LAG_P99_MS, LAG_MAX_MS = 2.0, 5.0
-MATMUL_N = 8192
-"""Side of the square bf16 matmuls of the compute loop (~1-2 ms each on an H100/H200)."""
+MATMUL_N = 16384
+"""Side of the square bf16 matmuls of the compute loop (~10 ms each on an H100/H200)."""
 
 
 def to_device(tree: Any, device: torch.device, memo: dict[int, torch.Tensor] | None = None) -> Any:
