@@ -255,7 +255,7 @@ def run_case(case: str, scale: float, runs: int, seconds: float) -> tuple[str, d
     def ratio(a: list[float], b: list[float]) -> float:
         return median([x / y for x, y in zip(a, b, strict=True)])
 
-    rows, results = [], []
+    rows, results = [], {}
     for name, t in timed.items():
         lags = t.first_lags + t.steady_lags
         r = {
@@ -272,7 +272,7 @@ def run_case(case: str, scale: float, runs: int, seconds: float) -> tuple[str, d
             "compute_slowdown_iter": compute[name]["slowdown_iter"],
             "compute_slowdown_window": compute[name]["slowdown_window"],
         }
-        results.append(r)
+        results[name] = r
         rows.append(
             [
                 name,
@@ -289,7 +289,7 @@ def run_case(case: str, scale: float, runs: int, seconds: float) -> tuple[str, d
         )
     headers = ["method", "first s", "x torch", "steady s", "steady GB/s", "x ceiling", "x bandwidth"]
     headers += ["lag p99 ms", "lag max ms", "compute x"]
-    ours, theirs = results[2], results[3]
+    ours, theirs = results[ASTAGE], results[TORCH]
     judged, checks = judge(
         [
             ("astage first / torch DefaultStager first", ours["first_x_torch"], 1.0, "x"),
@@ -308,7 +308,7 @@ def run_case(case: str, scale: float, runs: int, seconds: float) -> tuple[str, d
         "case": case,
         "bytes": size,
         "tensors": count,
-        "results": results,
+        "results": list(results.values()),
         "targets": checks,
         "compute": compute,
         "lag_series": series,
