@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint import staging as dcp
@@ -125,7 +125,8 @@ class Astage:
     """``astage.DefaultStager`` with the CPU options torch's stager is given below."""
 
     note = ""
-    extra: dict[str, Any] = {}  # noqa: RUF012  (read-only: options beyond torch's four)
+    extra: ClassVar[dict[str, Any]] = {}
+    """Options beyond the four torch's stager is given."""
 
     def __init__(self, state_dict: Any) -> None:
         options = astage.StagingOptions(
@@ -150,7 +151,7 @@ class Astage:
 class AstageIncremental(Astage):
     """:class:`Astage` with ``skip_unchanged=True``: unchanged tensors are not copied again."""
 
-    extra = {"skip_unchanged": True}  # noqa: RUF012
+    extra: ClassVar[dict[str, Any]] = {"skip_unchanged": True}
 
 
 def skip_unchanged_available() -> bool:

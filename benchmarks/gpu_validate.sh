@@ -5,12 +5,12 @@
 #
 # Run from the repository root on a CUDA machine.  It finds a Python with torch (a CUDA build
 # already installed is used as is), installs the project's other dependencies if missing (best
-# effort: into .venv, made with --system-site-packages so the machine's torch stays visible),
-# runs `pytest -m gpu`, then `python -m benchmarks.bench_gpu`, and writes
-# DIR/gpu-<date>.md (default DIR: benchmarks/results) with the machine, the test summary and the
-# benchmark tables, plus the benchmark's JSON beside it.  The file is rewritten after every
-# phase, so a phase that fails or times out still leaves what came before.  When $OUT is set,
-# the files are copied there too.
+# effort: into that Python's own venv, else into .venv made with --system-site-packages so the
+# machine's torch stays visible), runs `pytest -m gpu`, then `python -m benchmarks.bench_gpu`,
+# and writes DIR/gpu-<date>.md (default DIR: benchmarks/results) with the machine, the test
+# summary and the benchmark tables, plus the benchmark's JSON beside it.  The file is
+# rewritten after every phase, so a phase that fails or times out still leaves what came
+# before.  When $OUT is set, the files are copied there too.
 #
 # Every phase has its own timeout, and all of them fit in ASTAGE_GPU_BUDGET_S (default 450 s,
 # under 8 minutes with start-up).  --dry-run skips the installation and runs the rest with the
@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
         --dry-run) dry_run=1 ;;
         --out) out_dir="$2"; shift ;;
         --out=*) out_dir="${1#--out=}" ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "gpu_validate.sh: unknown argument: $1" >&2; exit 2 ;;
     esac
     shift
@@ -174,13 +174,16 @@ else
     fi
     if [ -n "${missing// /}" ]; then
         echo "missing: $missing" >> "$work/setup.log"
-        if [ "$PY" != ".venv/bin/python" ]; then
-            # A venv that still sees the machine's packages (its CUDA torch, above all).
+        in_venv="$(timeout 60 "$PY" -c 'import sys; print(sys.prefix != sys.base_prefix)' 2>&1)"
+        if [ "$in_venv" != "True" ]; then
+            # A venv that still sees the machine's packages (its CUDA torch, above all); a
+            # venv's own Python is installed into directly, since a venv made from it would
+            # see only the base interpreter's packages.
             timeout 60 "$PY" -m venv --system-site-packages .venv >> "$work/setup.log" 2>&1 \
                 && PY=".venv/bin/python"
         fi
         # shellcheck disable=SC2086  # one argument per package
-        run_phase "$(phase_timeout 90)" "$work/setup.log" "$PY" -m pip install --quiet $missing \
+        run_phase "$(phase_timeout 90)" "$work/setup.log" "$PY" -m pip install --quiet --retries 1 --timeout 15 $missing \
             || setup_status="pip install $status: continuing with what is installed"
     fi
 fi

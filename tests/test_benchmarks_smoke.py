@@ -23,7 +23,7 @@ def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
     )
     assert done.returncode == 0, done.stderr
