@@ -39,6 +39,7 @@ from .common import (
     clock,
     default_scale,
     distinct_storages,
+    environment,
     format_table,
     gpt2_adam_state_dict,
     idle_lag,
@@ -186,6 +187,7 @@ class Timings:
     first_lags: list[float]
     steady_lags: list[float]
     note: str
+    steady_series: list[list[tuple[float, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,16 +210,18 @@ class Result:
     steady_lag_p99_ms: float
     steady_lag_max_ms: float
     note: str
+    lag_series: tuple[tuple[float, float], ...]
+    """Heartbeats of the steady stage of median time: (seconds since the stage began, lag ms)."""
 
 
-async def stage_once(method: Method, state_dict: Any) -> tuple[float, list[float]]:
-    """Stage once under a loop-lag probe, then release: the seconds taken and the lag samples."""
+async def stage_once(method: Method, state_dict: Any) -> tuple[float, LoopLag]:
+    """Stage once under a loop-lag probe, then release: the seconds taken and the probe."""
     async with LoopLag() as lag:
         start = clock()
         staged = await method.stage(state_dict)
         elapsed = clock() - start
     await method.release(staged)
-    return elapsed, lag.samples
+    return elapsed, lag
 
 
 def _rotated(names: Sequence[str], r: int) -> list[str]:
@@ -232,7 +236,7 @@ async def time_methods(state_dict: Any, runs: int) -> dict[str, Timings]:
     Each first stage uses a fresh instance; the last instance then stages ``runs`` more times.
     """
     names = list(METHODS)
-    t = {n: Timings([], [], [], [], "") for n in names}
+    t = {n: Timings([], [], [], [], "", []) for n in names}
     live: dict[str, Method] = {}
     try:
         for r in range(runs):
@@ -240,18 +244,29 @@ async def time_methods(state_dict: Any, runs: int) -> dict[str, Timings]:
                 if name in live:
                     await live.pop(name).aclose()
                 live[name] = METHODS[name](state_dict)
-                elapsed, samples = await stage_once(live[name], state_dict)
+                elapsed, lag = await stage_once(live[name], state_dict)
                 t[name].first.append(elapsed)
-                t[name].first_lags.extend(samples)
+                t[name].first_lags.extend(lag.samples)
         for r in range(runs):
             for name in _rotated(names, r):
-                elapsed, samples = await stage_once(live[name], state_dict)
+                elapsed, lag = await stage_once(live[name], state_dict)
                 t[name].steady.append(elapsed)
-                t[name].steady_lags.extend(samples)
+                t[name].steady_lags.extend(lag.samples)
+                t[name].steady_series.append(
+                    list(zip(lag.times, [s * 1e3 for s in lag.samples], strict=True))
+                )
         return {n: dataclasses.replace(t[n], note=live[n].note) for n in names}
     finally:
         for method in live.values():
             await method.aclose()
+
+
+def _median_run(times: list[float], series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The lag series of the run whose time is the median (the lower middle for an even count)."""
+    if not series:
+        return []
+    order = sorted(range(len(times)), key=times.__getitem__)
+    return series[order[(len(order) - 1) // 2]]
 
 
 def _p99_ms(lags: list[float]) -> float:
@@ -311,6 +326,7 @@ def run_case(case: str, scale: float, runs: int, isolate: bool) -> list[Result]:
                 steady_lag_p99_ms=_p99_ms(t.steady_lags),
                 steady_lag_max_ms=max(t.steady_lags, default=0.0) * 1e3,
                 note=t.note,
+                lag_series=tuple(_median_run(t.steady, t.steady_series)),
             )
         )
     return results
@@ -384,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"medians of {runs} runs; idle loop lag p99 {percentile(idle, 99) * 1e3:.2f} ms, "
         f"max {max(idle) * 1e3:.2f} ms\n"
     )
-    payload: dict[str, Any] = {"scale": scale, "runs": runs, "results": [], "targets": {}}
+    payload: dict[str, Any] = {"scale": scale, "runs": runs, "environment": environment()}
+    payload |= {"idle_lag_max_ms": max(idle) * 1e3, "results": [], "targets": {}}
     for case in args.case or CASES:
         results = run_case(case, scale, runs, isolate=not args.quick)
         text, checks = report(results)

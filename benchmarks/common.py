@@ -10,8 +10,10 @@ peak RSS over a baseline, so that building the inputs does not count against a m
 from __future__ import annotations
 
 import asyncio
+import datetime
 import math
 import os
+import platform
 import re
 import resource
 import statistics
@@ -145,24 +147,33 @@ def percentile(values: Sequence[float], q: float) -> float:
 class LoopLag:
     """Measure event-loop lag while the block runs: a heartbeat task sleeping ``period``.
 
-    Each wake-up records ``actual - expected`` in seconds in :attr:`samples`; a heartbeat
-    still overdue when the block ends (the loop was blocked until then) records its lag too.
+    Each wake-up records ``actual - expected`` in seconds in :attr:`samples`, and when it
+    happened (seconds since the block began) in :attr:`times`, so the lag can be drawn over
+    time; a heartbeat still overdue when the block ends (the loop was blocked until then)
+    records its lag too.
     """
 
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.samples: list[float] = []
+        self.times: list[float] = []
+        self._start = clock()
         self._expected: float | None = None
         self._task: asyncio.Task[None] | None = None
+
+    def _record(self, now: float, expected: float) -> None:
+        self.samples.append(now - expected)
+        self.times.append(now - self._start)
 
     async def _beat(self) -> None:
         while True:
             self._expected = clock() + self.period
             await asyncio.sleep(self.period)
-            self.samples.append(clock() - self._expected)
+            self._record(clock(), self._expected)
             self._expected = None
 
     async def __aenter__(self) -> Self:
+        self._start = clock()
         self._task = asyncio.create_task(self._beat())
         await asyncio.sleep(0)  # let the heartbeat start before the measured work
         return self
@@ -171,7 +182,7 @@ class LoopLag:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._expected is not None and clock() > self._expected:
-            self.samples.append(clock() - self._expected)
+            self._record(clock(), self._expected)
         assert self._task is not None
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
@@ -182,6 +193,22 @@ async def idle_lag(seconds: float = 0.3) -> list[float]:
     async with LoopLag() as lag:
         await asyncio.sleep(seconds)
     return lag.samples
+
+
+def environment() -> dict[str, Any]:
+    """What a result was measured on: versions, CPU count, platform and date (for the JSON)."""
+    import astage
+
+    return {
+        "astage": astage.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "accelerator": str(torch.accelerator.current_accelerator() or "none"),
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 # -- memory -------------------------------------------------------------------------------
