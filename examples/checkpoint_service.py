@@ -208,7 +208,6 @@ def listen(port: int) -> socket.socket:
     meanwhile wait in the backlog.
     """
     sock = socket.create_server(("127.0.0.1", port))
-    sock.set_inheritable(True)
     return sock
 
 
