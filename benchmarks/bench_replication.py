@@ -51,6 +51,7 @@ from .common import (
     clock,
     default_scale,
     distinct_storages,
+    environment,
     format_table,
     gpt2_adam_state_dict,
     iter_tensors,
@@ -323,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_rank = [r.unwrap() for r in ranks]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    payload: dict[str, Any] = {"scale": scale, "runs": runs, "results": [], "targets": {}}
+    payload: dict[str, Any] = {"scale": scale, "runs": runs, "environment": environment()}
+    payload |= {"results": [], "targets": {}}
     for case in cases:
         result = combine(case, per_rank)
         text, checks = report(result)

@@ -48,6 +48,7 @@ from .common import (
     clock,
     default_scale,
     distinct_storages,
+    environment,
     format_table,
     gpt2_adam_state_dict,
     idle_lag,
@@ -240,6 +241,7 @@ class Timings:
     first_lags: list[float]
     steady_lags: list[float]
     note: str
+    steady_series: list[list[tuple[float, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +265,8 @@ class Result:
     steady_lag_p99_ms: float
     steady_lag_max_ms: float
     note: str
+    lag_series: tuple[tuple[float, float], ...]
+    """Heartbeats of the steady stage of median time: (seconds since the stage began, lag ms)."""
 
 
 async def stage_once(
@@ -307,7 +311,7 @@ async def time_methods(
     """
     methods = methods if methods is not None else METHODS
     names = list(methods)
-    t = {n: Timings([], [], [], [], "") for n in names}
+    t = {n: Timings([], [], [], [], "", []) for n in names}
     series: dict[str, dict[str, Any]] = {n: {} for n in names if n in SERIES_METHODS}
     live: dict[str, Method] = {}
     try:
@@ -321,12 +325,24 @@ async def time_methods(
                     elapsed, lag = await stage_once(live[name], state_dict, touch)
                     (t[name].first if phase == "first" else t[name].steady).append(elapsed)
                     (t[name].first_lags if phase == "first" else t[name].steady_lags).extend(lag.samples)
+                    if phase == "steady":
+                        t[name].steady_series.append(
+                            list(zip(lag.times, [s * 1e3 for s in lag.samples], strict=True))
+                        )
                     if name in series:
                         series[name][phase] = lag_series(elapsed, lag)
         return {n: dataclasses.replace(t[n], note=live[n].note) for n in names}, series
     finally:
         for method in live.values():
             await method.aclose()
+
+
+def _median_run(times: list[float], series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The lag series of the run whose time is the median (the lower middle for an even count)."""
+    if not series:
+        return []
+    order = sorted(range(len(times)), key=times.__getitem__)
+    return series[order[(len(order) - 1) // 2]]
 
 
 def _p99_ms(lags: list[float]) -> float:
@@ -397,6 +413,7 @@ def run_case(case: str, scale: float, runs: int, isolate: bool) -> CaseRun:
                 steady_lag_p99_ms=_p99_ms(t.steady_lags),
                 steady_lag_max_ms=max(t.steady_lags, default=0.0) * 1e3,
                 note=t.note,
+                lag_series=tuple(_median_run(t.steady, t.steady_series)),
             )
         )
     return CaseRun(results, series, unavailable)
@@ -596,6 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     payload: dict[str, Any] = {
         "scale": scale,
+        "environment": environment(),
         "runs": runs,
         "results": [],
         "targets": {},

@@ -10,8 +10,10 @@ peak RSS over a baseline, so that building the inputs does not count against a m
 from __future__ import annotations
 
 import asyncio
+import datetime
 import math
 import os
+import platform
 import re
 import resource
 import statistics
@@ -262,6 +264,22 @@ async def idle_lag(seconds: float = 0.3) -> list[float]:
     async with LoopLag() as lag:
         await asyncio.sleep(seconds)
     return lag.samples
+
+
+def environment() -> dict[str, Any]:
+    """What a result was measured on: versions, CPU count, platform and date (for the JSON)."""
+    import astage
+
+    return {
+        "astage": astage.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "accelerator": str(torch.accelerator.current_accelerator() or "none"),
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 # -- memory -------------------------------------------------------------------------------

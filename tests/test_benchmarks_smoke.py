@@ -53,6 +53,12 @@ def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
         assert incremental[0]["pass"] is None
     else:
         assert any(r["method"] == "astage skip_unchanged" for r in payload["results"])
+    results = payload["results"]
+    assert payload["environment"]["cpus"] == os.cpu_count()
+    # torch's blocking stager holds the loop for its whole (~10 ms) gpt2-adam stage: the
+    # overdue beat is recorded in the lag series that docs/performance.md draws.
+    blocking = next(r for r in results if r["method"] == "torch Blocking" and r["case"] == "gpt2-adam")
+    assert blocking["lag_series"]
 
 
 def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
