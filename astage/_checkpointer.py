@@ -567,10 +567,10 @@ class Checkpointer:
             )
         if on_progress is not None and not callable(on_progress):
             raise ConfigurationError("on_progress must be callable")
-        if stager is not None and not isinstance(stager, AsyncStager):
+        # Only stage() is used on a stager passed in (it is not closed here).
+        if stager is not None and not callable(getattr(stager, "stage", None)):
             raise ConfigurationError(
-                "stager must be an astage stager (async stage() and aclose()), "
-                f"got {type(stager).__qualname__}"
+                f"stager must be an astage stager (an async stage() method), got {type(stager).__qualname__}"
             )
         if isinstance(fallback_dirs, str | bytes | os.PathLike):
             # A lone path would be iterated character by character.

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import astage
-from astage import ConfigurationError, ReplicationPhase, _replication
+from astage import ConfigurationError, ReplicationPhase, _replication, _transport
 from tests.distributed import run_group
 from tests.statedicts import bytes_equal
 
@@ -54,6 +54,18 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], str]] = [
     ({"process_group": "world"}, "process_group"),
 ]
 
+# The transport's own entry points, called with the peer's rank: each must refuse before
+# it posts anything (else the peer would be left out of step).
+BAD_TRANSPORT_ARGUMENTS: list[tuple[dict[str, Any], str]] = [
+    *(({"chunk_bytes": value}, "chunk_bytes") for value in (1, 4096.5, True)),
+    *(({"timeout": value}, "timeout") for value in (True, math.inf, "1", 0)),
+    *(({"max_body_bytes": value}, "max_body_bytes") for value in ("1", -1, 1.5)),
+    ({"max_prefix_bytes": 2.0}, "max_prefix_bytes"),
+    *(({"send_to": value}, "send_to") for value in (True, 2, "1")),
+    ({"allocate": 5}, "allocate"),
+    ({"on_chunk": "print"}, "on_chunk"),
+]
+
 
 async def bad_arguments_target(rank: int, world: int, root: str) -> dict[str, Any]:
     refused: list[tuple[str, str, str]] = []
@@ -73,17 +85,38 @@ async def bad_arguments_target(rank: int, world: int, root: str) -> dict[str, An
             both = str(exc)
         else:
             both = "accepted"
+    transport: list[tuple[str, str, str]] = []
+    peer = 1 - rank
+    for kwargs, _ in BAD_TRANSPORT_ARGUMENTS:
+        call: dict[str, Any] = {"send_to": peer, "recv_from": peer, "timeout": 5.0, "max_body_bytes": 1 << 20}
+        try:
+            await _transport.exchange(None, _transport.Payload(b"h", (), 0), **{**call, **kwargs})
+        except Exception as exc:  # the type is what is checked
+            transport.append((repr(kwargs), type(exc).__name__, str(exc)))
+        else:
+            transport.append((repr(kwargs), "accepted", ""))
+    for prefix, body_nbytes in (("h", 0), (b"h", -1), (b"h", 1.0)):
+        try:
+            _transport.Payload(prefix, (), body_nbytes)  # type: ignore[arg-type]
+        except ConfigurationError as exc:
+            transport.append(("Payload", "ConfigurationError", str(exc)))
+        else:
+            transport.append(("Payload", "accepted", ""))
     # After all that, a well-configured stager on the same group replicates.
     async with astage.ReplicationStager(storage_dir=Path(root) / f"rank{rank}", timeout=TIMEOUT) as rs:
         result = await rs.replicate({"x": torch.full((8,), float(rank))}, step=1)
         replica_ok = bytes_equal(result.replica["x"], torch.full((8,), float(1 - rank)))
-    return {"refused": refused, "both": both, "replica_ok": replica_ok}
+    return {"refused": refused, "transport": transport, "both": both, "replica_ok": replica_ok}
 
 
 def test_every_bad_argument_is_refused_at_construction_naming_it(tmp_path: Path) -> None:
     for result in run_group(2, bad_arguments_target, str(tmp_path), timeout=60):
         value = result.unwrap()
         for (_, name), (shown, kind, message) in zip(BAD_ARGUMENTS, value["refused"], strict=True):
+            assert kind == "ConfigurationError", (shown, kind, message)
+            assert name in message, (shown, message)
+        transport_cases = [*BAD_TRANSPORT_ARGUMENTS, ({}, "prefix"), ({}, "body_nbytes"), ({}, "body_nbytes")]
+        for (_, name), (shown, kind, message) in zip(transport_cases, value["transport"], strict=True):
             assert kind == "ConfigurationError", (shown, kind, message)
             assert name in message, (shown, message)
         assert "options or stager" in value["both"]
