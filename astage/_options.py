@@ -140,7 +140,7 @@ def _is_torch_options(value: object) -> bool:
 
 
 def coerce_options(
-    options: StagingOptions | TorchStagingOptions | None, config: object = None, *, name: str = "options"
+    options: StagingOptions | TorchStagingOptions | None, config: object = None
 ) -> StagingOptions:
     """The :class:`StagingOptions` a stager was given as ``options`` (or torch's ``config``).
 
@@ -150,8 +150,8 @@ def coerce_options(
     :raises ConfigurationError: both keywords given, or a value of another type.
     """
     if options is not None and config is not None:
-        raise ConfigurationError(f"pass {name} or config, not both (config is torch's name for {name})")
-    given, label = (config, "config") if config is not None else (options, name)
+        raise ConfigurationError("pass options or config, not both (config is torch's name for options)")
+    given, label = (config, "config") if config is not None else (options, "options")
     if given is None:
         return StagingOptions()
     if isinstance(given, StagingOptions):

@@ -204,8 +204,8 @@ class ReplicationStager:
         self.chunk_bytes = check_int(
             "chunk_bytes", chunk_bytes, lo=_transport.MIN_CHUNK_BYTES, hi=_transport.MAX_CHUNK_BYTES
         )
-        if peer_offset is not None:
-            check_int("peer_offset", peer_offset, lo=-_MAX_BYTES)
+        if peer_offset is not None and type(peer_offset) is not int:
+            raise ConfigurationError(f"peer_offset must be an int or None, got {peer_offset!r}")
         if stager is not None and not isinstance(stager, DefaultStager):
             raise ConfigurationError(
                 f"stager must be an astage DefaultStager (or a subclass), got {type(stager).__qualname__}"
@@ -350,6 +350,7 @@ class ReplicationStager:
             self._lock = anyio.Lock()
         async with self._lock:
             self._check_usable()
+            self._phase = ReplicationPhase.STAGED
             started = time.perf_counter()
             deadline = started + self.timeout
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
@@ -368,7 +369,6 @@ class ReplicationStager:
             encoded_at = time.perf_counter()
             path = replica_path(self.storage_dir, owner_rank=self.recv_from, holder_rank=self.rank)
             sink = _StreamingSink(path, self.recv_from, self._inbox)
-            self._phase = ReplicationPhase.STAGED
             try:
                 try:
                     received = await _transport.exchange(
