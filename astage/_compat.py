@@ -23,6 +23,12 @@ from ._errors import ConfigurationError
 
 _TORCH_DCP = "torch.distributed.checkpoint"
 
+
+class TorchCallerError(ConfigurationError, TypeError):
+    """torch called an astage coroutine function synchronously (a :class:`ConfigurationError`
+    that is also a ``TypeError``: the wrong kind of object was handed to torch)."""
+
+
 S = TypeVar("S")
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -43,7 +49,7 @@ def refuse_torch_caller(
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller == _TORCH_DCP or str(caller).startswith(_TORCH_DCP + "."):
             name = type(self).__qualname__
-            raise ConfigurationError(
+            raise TorchCallerError(
                 f"{name}.stage() is a coroutine function, and torch.distributed.checkpoint calls "
                 f"stage() synchronously: pass async_stager=astage.dcp.StagerAdapter(your_{name.lower()}) "
                 "to dcp.async_save (it runs the stager on its own event loop thread), or from async "

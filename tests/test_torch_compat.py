@@ -36,8 +36,9 @@ def test_torch_async_save_with_an_astage_stager_fails_at_once_naming_the_adapter
 ) -> None:
     stager = make()
     before = _torch_threads()
-    with pytest.raises(ConfigurationError, match=r"astage\.dcp\.StagerAdapter"):
+    with pytest.raises(ConfigurationError, match=r"astage\.dcp\.StagerAdapter") as caught:
         dcp.async_save({"w": torch.ones(4)}, checkpoint_id=tmp_path / "ckpt", async_stager=stager)
+    assert isinstance(caught.value, TypeError)  # the wrong kind of object was handed to torch
     assert _torch_threads() == before, "torch started an upload of something that is not a state_dict"
     assert not (tmp_path / "ckpt").exists()
 
@@ -59,6 +60,20 @@ def test_the_adapter_named_in_the_error_works_with_torch_options(tmp_path: Path)
     dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
     assert torch.equal(loaded["w"], state["w"])
     assert loaded["step"] == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"stager": TorchStagingOptions(False, False, True, False)}, "stager"),
+        ({"stager": "default"}, "stager"),
+        ({"close_stager": "no"}, "close_stager"),  # truthy: it would close a stager it does not own
+        ({"close_stager": None}, "close_stager"),
+    ],
+)
+def test_the_adapter_refuses_bad_arguments_naming_them(kwargs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigurationError, match=named):
+        astage.dcp.StagerAdapter(**kwargs)
 
 
 SWITCHES = list(itertools.product([False, True], repeat=2))
