@@ -76,7 +76,7 @@ log = logging.getLogger("astage.replication")
 DEFAULT_MAX_REPLICA_BYTES = 1 << 40
 """Largest replica accepted from a peer unless told otherwise (checked before allocating)."""
 _MAX_BYTES = (1 << 63) - 1
-"""Sizes travel as int64 in the transport's preamble."""
+"""Sizes (and steps) travel as int64."""
 
 
 class ReplicationPhase(enum.Enum):
@@ -147,6 +147,15 @@ class ReplicationResult:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _check_call(step: object, checkpoint_id: object) -> None:
+    # Checked before staging; the format checks the rest (the id's length) while encoding.
+    check_int("step", step, lo=-(_MAX_BYTES + 1), hi=_MAX_BYTES)
+    if checkpoint_id is not None and not isinstance(checkpoint_id, str):
+        raise ConfigurationError(
+            f"checkpoint_id must be a str or None, got {type(checkpoint_id).__qualname__}"
+        )
 
 
 def _remaining(deadline: float) -> float:
@@ -299,8 +308,11 @@ class ReplicationStager:
         :raises IntegrityError: the peer's replica is malformed or corrupt.
         :raises PersistError: the peer's replica could not be written; the previous is kept.
         :raises ClosedError: the stager is closed.
+        :raises ConfigurationError: ``step`` or ``checkpoint_id`` of the wrong type (before
+            anything is staged).
         """
         self._check_usable()
+        _check_call(step, checkpoint_id)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._delete_retired)  # while staging, off the critical path
             # This call's own stats: ``stager.last_stats`` is the latest stage's, which a
@@ -321,6 +333,7 @@ class ReplicationStager:
         ``staged`` must not change until this returns.
         """
         self._check_usable()
+        _check_call(step, checkpoint_id)
         return await self._replicate(staged, step, checkpoint_id, None)
 
     @property

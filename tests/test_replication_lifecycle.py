@@ -85,28 +85,36 @@ async def bad_arguments_target(rank: int, world: int, root: str) -> dict[str, An
             both = str(exc)
         else:
             both = "accepted"
-    transport: list[tuple[str, str, str]] = []
+    others: list[tuple[str, str, str]] = []  # the transport, Payload, replicate()
     peer = 1 - rank
     for kwargs, _ in BAD_TRANSPORT_ARGUMENTS:
         call: dict[str, Any] = {"send_to": peer, "recv_from": peer, "timeout": 5.0, "max_body_bytes": 1 << 20}
         try:
             await _transport.exchange(None, _transport.Payload(b"h", (), 0), **{**call, **kwargs})
         except Exception as exc:  # the type is what is checked
-            transport.append((repr(kwargs), type(exc).__name__, str(exc)))
+            others.append((repr(kwargs), type(exc).__name__, str(exc)))
         else:
-            transport.append((repr(kwargs), "accepted", ""))
+            others.append((repr(kwargs), "accepted", ""))
     for prefix, body_nbytes in (("h", 0), (b"h", -1), (b"h", 1.0)):
         try:
             _transport.Payload(prefix, (), body_nbytes)  # type: ignore[arg-type]
         except ConfigurationError as exc:
-            transport.append(("Payload", "ConfigurationError", str(exc)))
+            others.append(("Payload", "ConfigurationError", str(exc)))
         else:
-            transport.append(("Payload", "accepted", ""))
-    # After all that, a well-configured stager on the same group replicates.
+            others.append(("Payload", "accepted", ""))
+    # After all that, a well-configured stager on the same group replicates, once it has
+    # refused bad call arguments before staging anything.
     async with astage.ReplicationStager(storage_dir=Path(root) / f"rank{rank}", timeout=TIMEOUT) as rs:
+        for call_kwargs in ({"step": 1.5}, {"step": True}, {"step": 1 << 63}, {"checkpoint_id": 7}):
+            try:
+                await rs.replicate({"x": torch.ones(2)}, **call_kwargs)
+            except ConfigurationError as exc:
+                others.append((repr(call_kwargs), "ConfigurationError", str(exc)))
+            else:
+                others.append((repr(call_kwargs), "accepted", ""))
         result = await rs.replicate({"x": torch.full((8,), float(rank))}, step=1)
         replica_ok = bytes_equal(result.replica["x"], torch.full((8,), float(1 - rank)))
-    return {"refused": refused, "transport": transport, "both": both, "replica_ok": replica_ok}
+    return {"refused": refused, "others": others, "both": both, "replica_ok": replica_ok}
 
 
 def test_every_bad_argument_is_refused_at_construction_naming_it(tmp_path: Path) -> None:
@@ -115,8 +123,12 @@ def test_every_bad_argument_is_refused_at_construction_naming_it(tmp_path: Path)
         for (_, name), (shown, kind, message) in zip(BAD_ARGUMENTS, value["refused"], strict=True):
             assert kind == "ConfigurationError", (shown, kind, message)
             assert name in message, (shown, message)
-        transport_cases = [*BAD_TRANSPORT_ARGUMENTS, ({}, "prefix"), ({}, "body_nbytes"), ({}, "body_nbytes")]
-        for (_, name), (shown, kind, message) in zip(transport_cases, value["transport"], strict=True):
+        other_cases = [
+            *BAD_TRANSPORT_ARGUMENTS,
+            *(({}, name) for name in ("prefix", "body_nbytes", "body_nbytes")),
+            *(({}, name) for name in ("step", "step", "step", "checkpoint_id")),
+        ]
+        for (_, name), (shown, kind, message) in zip(other_cases, value["others"], strict=True):
             assert kind == "ConfigurationError", (shown, kind, message)
             assert name in message, (shown, message)
         assert "options or stager" in value["both"]
