@@ -32,6 +32,7 @@ from ._persist import sweep_stale_temps as sweep_stale_temps
 from ._pool import BufferKind as BufferKind
 from ._pool import BufferPool as BufferPool
 from ._pool import PoolStats as PoolStats
+from ._replication import ReplicationPhase as ReplicationPhase
 from ._replication import ReplicationResult as ReplicationResult
 from ._replication import ReplicationStager as ReplicationStager
 from ._replication import ReplicationStats as ReplicationStats
@@ -70,6 +71,7 @@ __all__ = [
     "PoolStats",
     "ReplicaInfo",
     "ReplicaSource",
+    "ReplicationPhase",
     "ReplicationResult",
     "ReplicationStager",
     "ReplicationStats",

@@ -76,6 +76,7 @@ from ._persist import (
     write_replica,
 )
 from ._stager import AsyncStager, DefaultStager, StageStats
+from ._validate import check_path
 
 log = logging.getLogger("astage.checkpointer")
 
@@ -566,7 +567,22 @@ class Checkpointer:
             )
         if on_progress is not None and not callable(on_progress):
             raise ConfigurationError("on_progress must be callable")
-        self._directory = Path(directory)
+        # Only stage() is used on a stager passed in (it is not closed here).
+        if stager is not None and not callable(getattr(stager, "stage", None)):
+            raise ConfigurationError(
+                f"stager must be an astage stager (an async stage() method), got {type(stager).__qualname__}"
+            )
+        if isinstance(fallback_dirs, str | bytes | os.PathLike):
+            # A lone path would be iterated character by character.
+            raise ConfigurationError(
+                f"fallback_dirs must be an iterable of paths, got the single path {fallback_dirs!r}"
+            )
+        if not isinstance(fallback_dirs, Iterable):
+            raise ConfigurationError(
+                f"fallback_dirs must be an iterable of paths, got {type(fallback_dirs).__qualname__}"
+            )
+        fallbacks = tuple(check_path(f"fallback_dirs[{i}]", d) for i, d in enumerate(fallback_dirs))
+        self._directory = check_path("directory", directory)
         self._owns_stager = stager is None
         self._stager: AsyncStager = DefaultStager() if stager is None else stager
         self._replication = replication
@@ -574,7 +590,7 @@ class Checkpointer:
         self._max_in_flight = max_in_flight
         self._rank = rank
         self._on_progress = on_progress
-        self._fallback_dirs = tuple(Path(d) for d in fallback_dirs)
+        self._fallback_dirs = fallbacks
         self._threads = threads
         self._data_name, self._marker_name = _names(rank)
         self._state: Literal["new", "open", "closing", "closed"] = "new"
