@@ -517,9 +517,7 @@ async def load_replica(
             await blocking_io(f.close, limiter=limiter)
 
 
-def load_replica_sync(
-    path: str | os.PathLike[str], *, on_read: Callable[[int], None] | None = None
-) -> Any:
+def load_replica_sync(path: str | os.PathLike[str], *, on_read: Callable[[int], None] | None = None) -> Any:
     """Blocking :func:`load_replica`, for scripts and the CLI.
 
     :param on_read: called with the byte count of each chunk of the body once read (a

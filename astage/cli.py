@@ -276,6 +276,20 @@ def _inspect_marker(path: Path, step: int | None, rank: int | None, verify: bool
 
 def _check(step_dir: Path, marker: _Marker, verify: bool, advance: Callable[[int], None]) -> str | None:
     """Why a committed step would not restore, or ``None``; ``advance`` gets its file bytes."""
+    total = sum(f.nbytes for f in marker.files) if verify else 0
+    try:
+        with _accounted(advance, total) as read:
+            check_committed(step_dir, marker, verify=verify, on_read=read)
+    except FileNotFoundError as exc:
+        return f"its checkpoint file is missing: {exc.filename}"
+    except (astage.IntegrityError, OSError) as exc:
+        return f"its checkpoint file is corrupt: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def _accounted(advance: Callable[[int], None], total: int) -> Iterator[Callable[[int], None]]:
+    """Pass reads on to ``advance``; at the end, count what was not read (headers, a failure)."""
     done = 0
 
     def read(nbytes: int) -> None:
@@ -284,15 +298,9 @@ def _check(step_dir: Path, marker: _Marker, verify: bool, advance: Callable[[int
         advance(nbytes)
 
     try:
-        check_committed(step_dir, marker, verify=verify, on_read=read)
-    except FileNotFoundError as exc:
-        return f"its checkpoint file is missing: {exc.filename}"
-    except (astage.IntegrityError, OSError) as exc:
-        return f"its checkpoint file is corrupt: {exc}"
+        yield read
     finally:
-        if verify:  # headers, and what a failed check did not read, count as done
-            advance(sum(f.nbytes for f in marker.files) - done)
-    return None
+        advance(total - done)
 
 
 # -- ls -------------------------------------------------------------------------------------
@@ -411,13 +419,16 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
         for r in s.ranks.values()
         if r.marker is not None
     ]
-    total = sum(f.nbytes for _, _, m in committed for f in m.files) if verify else None
-    with _progress("checking committed steps", total, nbytes=True) as advance:
+    total = None
+    if verify:
+        total = sum(f.nbytes for _, _, m in committed for f in m.files)
+        total += sum(p.stat().st_size for paths in replica_dirs.values() for p in paths)
+    replicas: dict[Path, list[dict[str, Any]]] = {}
+    with _progress("checking committed steps and replicas", total, nbytes=True) as advance:
         for s, r, marker in committed:
             r.problem = _check(s.path, marker, verify, advance)
-    replicas: dict[Path, list[dict[str, Any]]] = {}
-    for directory, paths in replica_dirs.items():
-        replicas[directory] = [_replica_entry(p) for p in paths]
+        for directory, paths in replica_dirs.items():
+            replicas[directory] = [_replica_entry(p, verify, advance) for p in paths]
 
     doc: dict[str, Any] = {"directory": str(top), "verified": verify, "checkpoints": [], "replicas": []}
     for directory, steps in checkpoints.items():
@@ -462,9 +473,12 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
     return EXIT_DAMAGED if problems else 0
 
 
-def _replica_entry(path: Path) -> dict[str, Any]:
+def _replica_entry(path: Path, verify: bool, advance: Callable[[int], None]) -> dict[str, Any]:
     try:
-        info = astage.inspect_replica(path)
+        with _accounted(advance, path.stat().st_size if verify else 0) as read:
+            info = astage.inspect_replica(path)
+            if verify:
+                astage.load_replica_sync(path, on_read=read)
     except (astage.IntegrityError, OSError) as exc:
         return {"path": str(path), "name": path.name, "problem": str(exc)}
     return {
@@ -481,9 +495,9 @@ def _print_ls(doc: dict[str, Any]) -> None:
         console.print(Text.assemble("no checkpoints and no replicas under ", shown(doc["directory"])))
     for c in doc["checkpoints"]:
         latest = "none" if c["latest"] is None else str(c["latest"])
-        table = Table(
-            title=Text.assemble("checkpoint directory ", shown(c["directory"])), title_justify="left"
-        )
+        # Titles go on their own line: a table's title would wrap at the table's width.
+        console.print(Text.assemble("checkpoint directory ", shown(c["directory"])), style="bold")
+        table = Table()
         for column in ("step", "committed", "ranks", "bytes", "committed at", "notes"):
             table.add_column(column, justify="right" if column in ("step", "bytes") else "left")
         for s in c["steps"]:
@@ -510,7 +524,8 @@ def _print_ls(doc: dict[str, Any]) -> None:
         console.print(table)
         console.print(f"latest complete step: {latest}; ranks {_rank_span(c['ranks'])}\n")
     for d in doc["replicas"]:
-        table = Table(title=Text.assemble("replica files in ", shown(d["directory"])), title_justify="left")
+        console.print(Text.assemble("replica files in ", shown(d["directory"])), style="bold")
+        table = Table()
         for column in ("file", "owner rank", "holder rank", "step", "checkpoint id", "bytes", "written"):
             table.add_column(column, justify="right" if column in ("step", "bytes") else "left")
         for f in d["files"]:
