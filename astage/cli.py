@@ -85,13 +85,10 @@ def shown(value: object) -> Text:
     return Text(text)
 
 
-@contextlib.contextmanager
-def _progress(description: str, total: float | None, *, nbytes: bool) -> Iterator[Callable[[int], None]]:
-    """A transient progress bar on stderr when it is a terminal; yields ``advance(amount)``."""
-    bar = Console(stderr=True, markup=False, emoji=False, highlight=False)
-    if not bar.is_terminal:
-        yield lambda amount: None
-        return
+def _bar(on: Console, *, nbytes: bool) -> Progress | None:
+    """A transient progress bar on ``on`` if it is a terminal (never in a pipe or a file)."""
+    if not on.is_terminal:
+        return None
     columns: list[ProgressColumn] = [
         SpinnerColumn(),
         TextColumn("{task.description}", markup=False),
@@ -99,9 +96,19 @@ def _progress(description: str, total: float | None, *, nbytes: bool) -> Iterato
         DownloadColumn() if nbytes else MofNCompleteColumn(),
         TimeElapsedColumn(),
     ]
-    with Progress(*columns, console=bar, transient=True) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda amount: progress.advance(task, amount)
+    return Progress(*columns, console=on, transient=True)
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: float | None, *, nbytes: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr (a terminal only; stdout may be JSON); yields ``advance(amount)``."""
+    bar = _bar(Console(stderr=True, markup=False, emoji=False, highlight=False), nbytes=nbytes)
+    if bar is None:
+        yield lambda amount: None
+        return
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda amount: bar.advance(task, amount)
 
 
 def _iso(timestamp: float) -> str:
@@ -389,7 +396,10 @@ def _find(top: Path) -> tuple[dict[Path, list[_Step]], dict[Path, list[Path]]]:
         return checkpoints, replicas
     for here, dirs, files in os.walk(top):  # symlinked directories are listed, never entered
         directory = Path(here)
-        steps = sorted((s, d) for d in dirs if (s := step_of_dir(d)) is not None)
+        # A symlinked step directory is not the Checkpointer's (it never follows one): skipped.
+        steps = sorted(
+            (s, d) for d in dirs if (s := step_of_dir(d)) is not None and not (directory / d).is_symlink()
+        )
         if steps:
             checkpoints[directory] = [_read_step(directory / d, s) for s, d in steps]
         dirs[:] = sorted(d for d in dirs if step_of_dir(d) is None)
@@ -507,7 +517,7 @@ def _print_ls(doc: dict[str, Any]) -> None:
             notes = [*s["problems"]]
             pending = [r["rank"] for r in ranks if not r["committed"] and not r["problem"]]
             if pending:
-                notes.append(f"uncommitted files of rank(s) {_rank_span(pending)}")
+                notes.append(f"uncommitted checkpoint file(s) of rank(s) {_rank_span(pending)}")
             if s["temp_files"]:
                 notes.append(f"{len(s['temp_files'])} unfinished temp file(s)")
             if s["step"] == c["latest"]:
@@ -572,6 +582,18 @@ def bench_names() -> list[str]:
     )
 
 
+def _run_bench(args: list[str], cwd: Path | None, env: dict[str, str], bar: Progress | None) -> int:
+    if bar is None:
+        return subprocess.run(args, cwd=cwd, env=env, check=False).returncode
+    with subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            bar.console.out(line.rstrip("\n"), highlight=False)
+        return proc.wait()
+
+
 def _bench(names: list[str], quick: bool) -> int:
     valid = bench_names()
     unknown = [n for n in names if n not in valid]
@@ -583,17 +605,23 @@ def _bench(names: list[str], quick: bool) -> int:
     chosen = names or valid
     failed: list[str] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with _progress("benchmarks", len(chosen), nbytes=False) as advance:
+    # On a terminal the benchmarks' output is passed through the bar's console, so that it
+    # scrolls above the bar instead of being overwritten by it.
+    bar = _bar(console, nbytes=False)
+    with bar or contextlib.nullcontext():
+        task = None if bar is None else bar.add_task("benchmarks", total=len(chosen))
+        say = errors.print if bar is None else bar.console.print
         for name in chosen:
-            errors.print(f"astage bench: running {name}{' (quick)' if quick else ''}", style="bold")
+            say(f"astage bench: running {name}{' (quick)' if quick else ''}", style="bold")
             args = [sys.executable, "-m", f"{package}.bench_{name}", *(["--quick"] if quick else [])]
             # Each benchmark runs in its own process: one that crashes or leaks cannot take
             # the others with it, and every one runs whatever an earlier one did.
-            code = subprocess.run(args, cwd=root, env=env, check=False).returncode
+            code = _run_bench(args, root, env, bar)
             if code != 0:
                 failed.append(f"{name} (exit status {code})")
-                errors.print(f"astage bench: {name} failed with exit status {code}", style="red")
-            advance(1)
+                say(f"astage bench: {name} failed with exit status {code}", style="red")
+            if bar is not None and task is not None:
+                bar.advance(task, 1)
     if failed:
         errors.print(f"astage bench: {len(failed)} of {len(chosen)} failed: {', '.join(failed)}", style="red")
         return EXIT_DAMAGED

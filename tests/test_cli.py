@@ -422,14 +422,16 @@ def test_the_install_ships_the_benchmarks_and_a_typo_lists_them(
     assert "no benchmark named 'stagign'; the benchmarks are: replication, staging" in done.stderr
 
 
+@pytest.mark.parametrize("terminal", [False, True])
 def test_bench_runs_every_benchmark_after_a_failure_and_exits_non_zero(
-    installed: dict[str, str], tmp_path: Path
+    installed: dict[str, str], tmp_path: Path, terminal: bool
 ) -> None:
     bench_dir = Path(installed["PYTHONPATH"].split(os.pathsep)[1]) / "astage" / "_bench"
     (bench_dir / "bench_aaa_fails.py").write_text("import sys\nprint('aaa ran')\nsys.exit(3)\n")
     (bench_dir / "bench_zzz_works.py").write_text("print('zzz ran')\n")
     try:
-        done = astage_cli("bench", "aaa_fails", "zzz_works", cwd=tmp_path, env=installed)
+        env = installed | ({"FORCE_COLOR": "1"} if terminal else {})  # rich: act as on a terminal
+        done = astage_cli("bench", "aaa_fails", "zzz_works", cwd=tmp_path, env=env)
     finally:
         (bench_dir / "bench_aaa_fails.py").unlink()
         (bench_dir / "bench_zzz_works.py").unlink()
