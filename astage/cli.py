@@ -8,8 +8,8 @@ to a terminal width when the output is piped, and ``--json`` gives the same fact
 programs.  Progress bars (on stderr) appear only on a terminal.
 
 The commit markers and the Checkpointer's layout are read through :mod:`astage._checkpointer`,
-the code :meth:`astage.Checkpointer.restore` trusts, so ``ls`` flags exactly what a restore
-would refuse.
+the code :meth:`astage.Checkpointer.restore` trusts, so ``ls`` flags exactly the local copies
+a restore would refuse.
 """
 
 from __future__ import annotations
@@ -352,7 +352,8 @@ class _Step:
 
     @property
     def committed(self) -> bool:
-        return bool(self.ranks) and all(r.committed and not r.problem for r in self.ranks.values())
+        """Every rank present has a valid commit marker (as the Checkpointer sees it)."""
+        return bool(self.ranks) and all(r.committed for r in self.ranks.values())
 
     @property
     def problems(self) -> list[str]:
@@ -443,7 +444,7 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
     doc: dict[str, Any] = {"directory": str(top), "verified": verify, "checkpoints": [], "replicas": []}
     for directory, steps in checkpoints.items():
         all_ranks = sorted({r.rank for s in steps for r in s.ranks.values() if r.committed})
-        complete = [s.step for s in steps if s.committed and sorted(s.ranks) == all_ranks]
+        complete = [s.step for s in steps if s.committed and not s.problems and sorted(s.ranks) == all_ranks]
         doc["checkpoints"].append(
             {
                 "directory": str(directory),
@@ -454,6 +455,7 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
                         "step": s.step,
                         "path": str(s.path),
                         "committed": s.committed,
+                        "damaged": bool(s.problems),
                         "nbytes": s.nbytes,
                         "ranks": [r.to_json() for r in sorted(s.ranks.values(), key=lambda r: r.rank)],
                         "temp_files": s.temps,
@@ -522,10 +524,10 @@ def _print_ls(doc: dict[str, Any]) -> None:
                 notes.append(f"{len(s['temp_files'])} unfinished temp file(s)")
             if s["step"] == c["latest"]:
                 notes.insert(0, "latest")
-            state = "yes" if s["committed"] else "DAMAGED" if s["problems"] else "no"
+            state = "DAMAGED" if s["damaged"] else "yes" if s["committed"] else "no"
             table.add_row(
                 str(s["step"]),
-                Text(state, style="red" if s["problems"] else "green" if s["committed"] else "yellow"),
+                Text(state, style="red" if s["damaged"] else "green" if s["committed"] else "yellow"),
                 _rank_span(done),
                 f"{s['nbytes']:,}",
                 _iso(created) if created is not None else "-",

@@ -123,6 +123,7 @@ def test_ls_json_lists_steps_ranks_latest_and_replicas_recursively(tree: Path) -
     assert [s["step"] for s in run_a["steps"]] == [2, 3, 4]
     for s in run_a["steps"]:
         assert s["committed"] is True
+        assert s["damaged"] is False
         on_disk = sum(p.stat().st_size for p in Path(s["path"]).iterdir())
         assert s["nbytes"] == on_disk
         assert [r["rank"] for r in s["ranks"]] == [0, 1]
@@ -175,12 +176,12 @@ def test_ls_flags_every_damaged_committed_step_and_exits_non_zero(tree: Path) ->
     doc = json.loads(done.stdout)
     assert doc["ok"] is False
     steps = {s["step"]: s for s in checkpoints_by_name(doc)["run-a"]["steps"]}
-    assert steps[2]["committed"] is False
+    assert (steps[2]["committed"], steps[2]["damaged"]) == (True, True)
     assert "missing" in steps[2]["problems"][0]
     assert "rank 1" in steps[2]["problems"][0]
-    assert steps[3]["committed"] is False
+    assert (steps[3]["committed"], steps[3]["damaged"]) == (True, True)
     assert "checksum" in steps[3]["problems"][0]
-    assert steps[4]["committed"] is True
+    assert (steps[4]["committed"], steps[4]["damaged"]) == (True, False)
     assert len(doc["problems"]) == 2
     assert checkpoints_by_name(doc)["run-a"]["latest"] == 4
 
@@ -238,7 +239,7 @@ def test_ls_exit_status_follows_what_restore_would_refuse(
     [step4] = [s for s in checkpoints_by_name(doc)["run-a"]["steps"] if s["step"] == 4]
     if verify or not needs_verify:
         assert code == 1
-        assert step4["committed"] is False
+        assert step4["damaged"] is True
         assert checkpoints_by_name(doc)["run-a"]["latest"] == 3
     else:  # --no-verify reads headers only, as documented
         assert code == 0
@@ -255,7 +256,7 @@ def test_an_uncommitted_step_is_listed_but_is_not_damage(
     assert code == 0, err
     run_a = checkpoints_by_name(json.loads(out))["run-a"]
     [step5] = [s for s in run_a["steps"] if s["step"] == 5]
-    assert step5["committed"] is False
+    assert (step5["committed"], step5["damaged"]) == (False, False)
     assert step5["problems"] == []
     assert step5["ranks"][0]["checkpoint_file"] == "rank00000.astage"
     assert run_a["latest"] == 4
