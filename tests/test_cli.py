@@ -317,6 +317,18 @@ def test_inspect_tables_show_untrusted_text_as_itself(tree: Path) -> None:
     assert "checksums verified" in done.stdout
 
 
+def test_inspect_draws_its_verification_progress_on_a_terminal_only(
+    tree: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(step_file(tree, 4, 0))
+    code, _, err = in_process(["inspect", path], capsys)
+    assert (code, "verifying" in err) == (0, False)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich treats stderr as a terminal
+    code, out, err = in_process(["inspect", path], capsys)
+    assert (code, "verifying rank00000.astage" in err) == (0, True)
+    assert "checksums verified" in out
+
+
 def test_inspect_recognises_a_commit_marker(tree: Path, capsys: pytest.CaptureFixture[str]) -> None:
     marker = step_file(tree, 3, 0, "COMMITTED")
     done = astage_cli("inspect", str(marker))
