@@ -46,7 +46,7 @@ from rich.text import Text
 
 import astage
 
-from ._checkpointer import _Marker, check_committed, layout_role, read_marker, step_of_dir
+from ._checkpointer import _Marker, _names, check_committed, layout_role, read_marker, step_of_dir
 from ._demo import run_demo
 from ._errors import Attr, format_key_path
 from ._format import ReplicaHeader
@@ -194,6 +194,15 @@ def _file_kind(path: Path) -> tuple[str, int | None, int | None]:
     return ("marker" if path.name.endswith(".COMMITTED") else "replica"), step, None
 
 
+def _committed_by_marker(path: Path, step: int, rank: int) -> bool:
+    """Whether a valid commit marker beside a checkpoint file names it."""
+    try:
+        marker = read_marker(path.with_name(_names(rank)[1]), step=step, rank=rank)
+    except (astage.IntegrityError, OSError):
+        return False
+    return any(f.name == path.name for f in marker.files)
+
+
 def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     kind, step, rank = _file_kind(path)
     if kind == "marker":
@@ -201,9 +210,9 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     info = astage.inspect_replica(path)
     doc: dict[str, Any] = {"path": str(path), "kind": kind, **_replica_summary(info)}
     if kind == "checkpoint":
+        assert step is not None
         assert rank is not None
-        marker_path = path.with_name(f"rank{rank:05d}.COMMITTED")
-        doc["committed"] = marker_path.exists()
+        doc["committed"] = _committed_by_marker(path, step, rank)
     doc["leaves"] = _leaf_rows(info.header)
     if verify:
         _verify_file(path, info.header.body_nbytes)
@@ -212,8 +221,10 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     if kind == "checkpoint":
-        state = "committed" if doc["committed"] else "not committed (no commit marker beside it)"
+        state = "committed" if doc["committed"] else "not committed (no valid commit marker names it)"
         title = f"checkpoint file of rank {info.owner_rank}, step {info.step}: {state}"
+    elif info.holder_rank is None:
+        title = f"astage file of rank {info.owner_rank}'s step {info.step}"
     else:
         title = f"replica of rank {info.owner_rank}'s step {info.step}, kept by rank {info.holder_rank}"
     console.print(shown(path), style="bold")

@@ -348,10 +348,14 @@ def test_inspect_recognises_a_commit_marker(tree: Path, capsys: pytest.CaptureFi
 def test_inspect_of_an_uncommitted_checkpoint_file_says_so(
     tree: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    step_file(tree, 4, 0, "COMMITTED").unlink()
+    marker = step_file(tree, 4, 0, "COMMITTED")
+    marker.write_bytes(b"{}")  # invalid: the Checkpointer ignores it
     code, out, err = in_process(["inspect", str(step_file(tree, 4, 0))], capsys)
     assert code == 0, err
-    assert "not committed" in out
+    assert "step 4: not committed" in out
+    marker.unlink()
+    code, out, err = in_process(["inspect", "--json", "--no-verify", str(step_file(tree, 4, 0))], capsys)
+    assert (code, json.loads(out)["committed"]) == (0, False)
 
 
 def test_an_error_naming_untrusted_text_is_one_plain_line(
