@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import re
+import stat
 import struct
 import time
 import traceback
@@ -70,8 +71,10 @@ from ._persist import (
     blocking_io,
     find_replicas,
     fsync_dirs,
+    inspect_replica,
     is_temp_name,
     load_replica,
+    load_replica_sync,
     make_dirs,
     write_replica,
 )
@@ -256,6 +259,33 @@ def _parse_marker(data: bytes, *, step: int, rank: int) -> _Marker:
     return _Marker(step, rank, checkpoint_id, created, tuple(entries))
 
 
+def read_marker(path: Path, *, step: int, rank: int) -> _Marker:
+    """Read and validate the commit marker at ``path`` (blocking).
+
+    Only a regular file is read (never a FIFO, device or symlink), and at most
+    ``_MARKER_CAP`` bytes of it.
+
+    :raises FileNotFoundError: there is no marker: the step is not committed for ``rank``.
+    :raises IntegrityError: it is not a regular file, is too long or is invalid.
+    :raises OSError: it cannot be read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise IntegrityError(f"commit marker {path} is a symlink") from exc
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IntegrityError(f"commit marker {path} is not a regular file")
+        data = os.read(fd, _MARKER_CAP + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MARKER_CAP:
+        raise IntegrityError(f"commit marker {path} is over the {_MARKER_CAP}-byte cap")
+    return _parse_marker(data, step=step, rank=rank)
+
+
 # -- blocking file work (run in worker threads) --------------------------------------------
 
 
@@ -336,17 +366,12 @@ def _scan(directory: Path, rank: int) -> dict[int, _Marker]:
                 log.info("removed a stale temp file %s", step_dir / name)
         marker_path = step_dir / marker_name
         try:
-            with marker_path.open("rb") as f:
-                data = f.read(_MARKER_CAP + 1)
+            committed[step] = read_marker(marker_path, step=step, rank=rank)
         except FileNotFoundError:
             if _remove(step_dir / data_name):
                 log.info("removed the uncommitted checkpoint file %s", step_dir / data_name)
             _remove_dir_if_empty(step_dir)
             continue
-        try:
-            if len(data) > _MARKER_CAP:
-                raise IntegrityError(f"over the {_MARKER_CAP}-byte cap")
-            committed[step] = _parse_marker(data, step=step, rank=rank)
         except IntegrityError as exc:
             log.warning("ignoring step %d: its commit marker %s is invalid: %s", step, marker_path, exc)
     return committed
@@ -399,6 +424,51 @@ def _header_check(
             raise IntegrityError(f"{path} does not match its commit marker (size or checksums)")
 
     return check
+
+
+# -- reading a directory from outside a Checkpointer (``astage ls`` / ``inspect``) ----------
+
+LayoutRole = Literal["checkpoint", "marker"]
+"""What a file in a step directory is: a rank's checkpoint file or its commit marker."""
+
+_LAYOUT_NAME_RE: Final = re.compile(r"\Arank([0-9]{5,10})\.(?:astage|COMMITTED)\Z")
+
+
+def step_of_dir(name: str) -> int | None:
+    """The step a step directory's name stands for (``step_0000000042`` -> 42), or ``None``."""
+    return _step_of(name)
+
+
+def layout_role(name: str) -> tuple[LayoutRole, int] | None:
+    """What ``name`` is inside a step directory, and for which rank; ``None`` if not astage's."""
+    match = _LAYOUT_NAME_RE.match(name)
+    if match is None or (rank := int(match.group(1))) >= _RANK_LIMIT:
+        return None
+    data_name, marker_name = _names(rank)
+    return ("checkpoint", rank) if name == data_name else ("marker", rank) if name == marker_name else None
+
+
+def check_committed(
+    step_dir: Path, marker: _Marker, *, verify: bool, on_read: Callable[[int], None] | None = None
+) -> None:
+    """Check that every file a commit marker names is there and matches it (blocking).
+
+    Without ``verify`` only each file's header is read and compared with the marker (size,
+    storage checksums); with it every byte is read and every checksum verified, as
+    :meth:`Checkpointer.restore` would.
+
+    :param on_read: passed to :func:`~astage._persist.load_replica_sync` (progress).
+    :raises IntegrityError: a file does not match its marker or is corrupt.
+    :raises OSError: a file is missing or cannot be read.
+    """
+    for entry in marker.files:
+        path = step_dir / entry.name
+        check = _header_check(
+            path, step=marker.step, rank=marker.rank, checkpoint_id=marker.checkpoint_id, entry=entry
+        )
+        check(inspect_replica(path).header)
+        if verify:
+            load_replica_sync(path, on_read=on_read)
 
 
 # -- the Checkpointer -----------------------------------------------------------------------

@@ -99,6 +99,16 @@ class StageStats:
         """Copy throughput in GB/s (10^9 bytes per second) over the whole stage."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def __repr__(self) -> str:
+        # The throughput is what a reader of a log line wants first; it is derived, so
+        # the generated repr would leave it out.
+        return (
+            f"StageStats({self.gbps:.2f} GB/s, tensors={self.tensors}, storages={self.storages}, "
+            f"bytes={self.bytes:,}, bytes_allocated={self.bytes_allocated:,}, "
+            f"reused_buffers={self.reused_buffers}, seconds={self.seconds:.4f}, "
+            f"wait_seconds={self.wait_seconds:.4f})"
+        )
+
 
 class DefaultStager:
     """Stage state_dicts into pooled CPU buffers; the asyncio/anyio-native ``DefaultStager``.

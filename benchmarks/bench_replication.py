@@ -45,7 +45,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import staging as dcp
 
 import astage
-from tests.distributed import run_group
 
 from .common import (
     clock,
@@ -59,6 +58,7 @@ from .common import (
     nbytes,
     small_tensors_state_dict,
 )
+from .ranks import run_group
 
 GPT2_LIKE_FRACTION = 0.27
 """``gpt2_adam_state_dict`` at this byte scale is ~0.405 GB: the issue's ~0.4 GB a rank."""

@@ -63,7 +63,8 @@ from .common import (
     train_step,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[__spec__.name.count(".")]
+"""Where this package is imported from: a checkout, or site-packages (``astage._bench``)."""
 CASES: dict[str, Callable[[float], Any]] = {
     "gpt2-adam": gpt2_adam_state_dict,
     "small-20k": small_tensors_state_dict,
@@ -362,7 +363,7 @@ async def peak_rss(case: str, method: str, state_dict: Any, stages: int = 3) -> 
 
 
 def _peak_rss_isolated(case: str, method: str, scale: float) -> int:
-    cmd = [sys.executable, "-m", "benchmarks.bench_staging", "--scale", str(scale)]
+    cmd = [sys.executable, "-m", __spec__.name, "--scale", str(scale)]
     done = subprocess.run(
         [*cmd, "--rss-worker", case, method], cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True
     )

@@ -82,7 +82,7 @@ def test_cli_inspect_shows_header_tensors_and_verifies(
     write_small_replica(path)
     code, out, err = cli(["inspect", str(path)], capsys)
     assert code == 0, err
-    assert "owner rank 1, holder rank 0, step 7" in out
+    assert "replica of rank 1's step 7, kept by rank 0" in out
     assert "['row']" in out
     assert "checksums verified" in out
 
