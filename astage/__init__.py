@@ -4,6 +4,8 @@ Stage a state_dict into reusable CPU buffers without blocking the event loop, re
 it to a peer rank, and persist it durably.  Everything public is re-exported here.
 """
 
+import logging as _logging
+
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import ReplicaSource as ReplicaSource
 from ._checkpointer import Replicator as Replicator
@@ -32,6 +34,7 @@ from ._persist import sweep_stale_temps as sweep_stale_temps
 from ._pool import BufferKind as BufferKind
 from ._pool import BufferPool as BufferPool
 from ._pool import PoolStats as PoolStats
+from ._replication import ReplicationPhase as ReplicationPhase
 from ._replication import ReplicationResult as ReplicationResult
 from ._replication import ReplicationStager as ReplicationStager
 from ._replication import ReplicationStats as ReplicationStats
@@ -41,6 +44,10 @@ from ._stager import DefaultStager as DefaultStager
 from ._stager import StageStats as StageStats
 
 __version__ = "0.1.0"
+
+# A library logs but never configures logging: without this, Python's last-resort handler
+# would print astage's warnings to stderr of applications that chose not to log them.
+_logging.getLogger("astage").addHandler(_logging.NullHandler())
 
 
 def __getattr__(name: str) -> object:
@@ -70,6 +77,7 @@ __all__ = [
     "PoolStats",
     "ReplicaInfo",
     "ReplicaSource",
+    "ReplicationPhase",
     "ReplicationResult",
     "ReplicationStager",
     "ReplicationStats",

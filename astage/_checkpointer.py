@@ -77,13 +77,16 @@ from ._format import ReplicaHeader, encode
 from ._persist import (
     blocking_io,
     find_replicas,
+    inspect_replica,
     is_temp_name,
     load_replica,
+    load_replica_sync,
     open_directory,
     open_regular,
     write_replica,
 )
 from ._stager import AsyncStager, DefaultStager, StageStats
+from ._validate import check_path
 
 log = logging.getLogger("astage.checkpointer")
 
@@ -294,6 +297,28 @@ def _parse_marker(data: bytes, *, step: int, rank: int) -> _Marker:
     return _Marker(step, rank, checkpoint_id, created, (entry,))
 
 
+def read_marker(path: str | os.PathLike[str], *, step: int, rank: int, dir_fd: int | None = None) -> _Marker:
+    """Read and validate the commit marker at ``path`` (blocking).
+
+    Only a regular file is read (never a FIFO, device or symlink: :func:`open_regular`),
+    and at most ``_MARKER_CAP`` bytes of it.
+
+    :param dir_fd: open ``path`` relative to this directory descriptor.
+    :raises FileNotFoundError: there is no marker: the step is not committed for ``rank``.
+    :raises IntegrityError: it is not a regular file, is too long or is invalid.
+    :raises OSError: it cannot be read.
+    """
+    fd = open_regular(path, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(_MARKER_CAP + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MARKER_CAP:
+        raise IntegrityError(f"commit marker {path} is over the {_MARKER_CAP}-byte cap")
+    return _parse_marker(data, step=step, rank=rank)
+
+
 # -- blocking file work (run in worker threads) --------------------------------------------
 
 
@@ -400,24 +425,6 @@ def _open_directory(directory: Path, rank: int) -> tuple[int, int]:
     return dir_fd, fd
 
 
-def read_marker(step_fd: int, marker_name: str) -> bytes:
-    """The bytes of a commit marker in an open step directory (at most the cap, plus one).
-
-    :raises FileNotFoundError: there is no marker.
-    :raises IntegrityError: it is a link, a FIFO, a directory (see :func:`open_regular`),
-        or over the cap.
-    """
-    fd = open_regular(marker_name, dir_fd=step_fd)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(_MARKER_CAP + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MARKER_CAP:
-        raise IntegrityError(f"over the {_MARKER_CAP}-byte cap")
-    return data
-
-
 def _scan(directory: Path, dir_fd: int, rank: int) -> dict[int, _Marker]:
     """Find this rank's committed steps and remove what crashed runs left of this rank."""
     data_name, marker_name = _names(rank)
@@ -461,7 +468,7 @@ def _scan_step(
         if is_temp_name(name) and name.startswith(ours) and _unlink(name, step_fd):
             log.info("removed a stale temp file %s", step_dir / name)
     try:
-        return _parse_marker(read_marker(step_fd, marker_name), step=step, rank=rank)
+        return read_marker(marker_name, step=step, rank=rank, dir_fd=step_fd)
     except FileNotFoundError:
         if _unlink(data_name, step_fd):
             log.info("removed the uncommitted checkpoint file %s", step_dir / data_name)
@@ -534,6 +541,51 @@ def _header_check(
             raise IntegrityError(f"{path} does not match its commit marker (size or checksums)")
 
     return check
+
+
+# -- reading a directory from outside a Checkpointer (``astage ls`` / ``inspect``) ----------
+
+LayoutRole = Literal["checkpoint", "marker"]
+"""What a file in a step directory is: a rank's checkpoint file or its commit marker."""
+
+_LAYOUT_NAME_RE: Final = re.compile(r"\Arank([0-9]{5,10})\.(?:astage|COMMITTED)\Z")
+
+
+def step_of_dir(name: str) -> int | None:
+    """The step a step directory's name stands for (``step_0000000042`` -> 42), or ``None``."""
+    return _step_of(name)
+
+
+def layout_role(name: str) -> tuple[LayoutRole, int] | None:
+    """What ``name`` is inside a step directory, and for which rank; ``None`` if not astage's."""
+    match = _LAYOUT_NAME_RE.match(name)
+    if match is None or (rank := int(match.group(1))) >= _RANK_LIMIT:
+        return None
+    data_name, marker_name = _names(rank)
+    return ("checkpoint", rank) if name == data_name else ("marker", rank) if name == marker_name else None
+
+
+def check_committed(
+    step_dir: Path, marker: _Marker, *, verify: bool, on_read: Callable[[int], None] | None = None
+) -> None:
+    """Check that every file a commit marker names is there and matches it (blocking).
+
+    Without ``verify`` only each file's header is read and compared with the marker (size,
+    storage checksums); with it every byte is read and every checksum verified, as
+    :meth:`Checkpointer.restore` would.
+
+    :param on_read: passed to :func:`~astage._persist.load_replica_sync` (progress).
+    :raises IntegrityError: a file does not match its marker or is corrupt.
+    :raises OSError: a file is missing or cannot be read.
+    """
+    for entry in marker.files:
+        path = step_dir / entry.name
+        check = _header_check(
+            path, step=marker.step, rank=marker.rank, checkpoint_id=marker.checkpoint_id, entry=entry
+        )
+        check(inspect_replica(path).header)
+        if verify:
+            load_replica_sync(path, on_read=on_read)
 
 
 # -- the Checkpointer -----------------------------------------------------------------------
@@ -702,7 +754,22 @@ class Checkpointer:
             )
         if on_progress is not None and not callable(on_progress):
             raise ConfigurationError("on_progress must be callable")
-        self._directory = Path(directory)
+        # Only stage() is used on a stager passed in (it is not closed here).
+        if stager is not None and not callable(getattr(stager, "stage", None)):
+            raise ConfigurationError(
+                f"stager must be an astage stager (an async stage() method), got {type(stager).__qualname__}"
+            )
+        if isinstance(fallback_dirs, str | bytes | os.PathLike):
+            # A lone path would be iterated character by character.
+            raise ConfigurationError(
+                f"fallback_dirs must be an iterable of paths, got the single path {fallback_dirs!r}"
+            )
+        if not isinstance(fallback_dirs, Iterable):
+            raise ConfigurationError(
+                f"fallback_dirs must be an iterable of paths, got {type(fallback_dirs).__qualname__}"
+            )
+        fallbacks = tuple(check_path(f"fallback_dirs[{i}]", d) for i, d in enumerate(fallback_dirs))
+        self._directory = check_path("directory", directory)
         self._owns_stager = stager is None
         self._stager: AsyncStager = DefaultStager() if stager is None else stager
         self._replication = replication
@@ -710,7 +777,7 @@ class Checkpointer:
         self._max_in_flight = max_in_flight
         self._rank = rank
         self._on_progress = on_progress
-        self._fallback_dirs = tuple(Path(d) for d in fallback_dirs)
+        self._fallback_dirs = fallbacks
         self._threads = threads
         self._data_name, self._marker_name = _names(rank)
         self._state: Literal["new", "open", "closing", "closed"] = "new"

@@ -10,10 +10,18 @@ not a crash at the first stage.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from typing import TYPE_CHECKING, Self
 
 import torch
 
 from ._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
+
+_TORCH_STAGING = "torch.distributed.checkpoint.staging"
+_TORCH_SWITCHES = ("use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy")
 
 
 def accelerator_available() -> bool:
@@ -58,6 +66,39 @@ class StagingOptions:
                 f"StagingOptions.max_staging_bytes must be a positive int or None, got {cap!r}"
             )
 
+    @classmethod
+    def from_torch(cls, options: TorchStagingOptions) -> Self:
+        """The astage options for torch's ``StagingOptions``: its four switches, one to one.
+
+        torch's defaults are all ``True``; here an explicit ``True`` for an accelerator
+        feature (pinned memory, non-blocking copies) is refused on a machine without an
+        accelerator, as torch refuses it.  Use astage's own ``StagingOptions()`` for "on
+        where available".  torch has no memory cap: ``max_staging_bytes`` is ``None``.
+
+        :raises ConfigurationError: ``options`` is not a torch ``StagingOptions``, a switch
+            is not a bool (named), or an accelerator feature is on without an accelerator.
+        """
+        if not _is_torch_options(options):
+            raise ConfigurationError(
+                "expected a torch.distributed.checkpoint.staging.StagingOptions, "
+                f"got {type(options).__qualname__}"
+            )
+        values = {}
+        for name in _TORCH_SWITCHES:
+            value = getattr(options, name)
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"torch StagingOptions.{name} must be a bool, got {value!r}")
+            values[name] = value
+        needs = [n for n in ("use_pinned_memory", "use_non_blocking_copy") if values[n]]
+        if needs and not accelerator_available():
+            raise ConfigurationError(
+                f"torch StagingOptions with {' and '.join(f'{n}=True' for n in needs)} needs an "
+                "accelerator, and torch sees none on this machine (torch's defaults are all True); "
+                "set them False, or pass astage.StagingOptions(), which turns them on only where "
+                "an accelerator exists"
+            )
+        return cls(**values)
+
     def resolve(self) -> ResolvedOptions:
         """Decide every automatic switch for this machine.
 
@@ -89,3 +130,35 @@ class ResolvedOptions:
     async_copy: bool
     non_blocking: bool
     max_bytes: int | None
+
+
+def _is_torch_options(value: object) -> bool:
+    # No import: whoever holds a torch StagingOptions has imported its module already, and
+    # importing torch.distributed.checkpoint costs ~0.2 s that astage users need not pay.
+    module = sys.modules.get(_TORCH_STAGING)
+    return module is not None and isinstance(value, module.StagingOptions)
+
+
+def coerce_options(
+    options: StagingOptions | TorchStagingOptions | None, config: object = None
+) -> StagingOptions:
+    """The :class:`StagingOptions` a stager was given as ``options`` (or torch's ``config``).
+
+    Accepts astage's options, torch's (mapped by :meth:`StagingOptions.from_torch`), or
+    ``None`` for the defaults, under either keyword but not both.
+
+    :raises ConfigurationError: both keywords given, or a value of another type.
+    """
+    if options is not None and config is not None:
+        raise ConfigurationError("pass options or config, not both (config is torch's name for options)")
+    given, label = (config, "config") if config is not None else (options, "options")
+    if given is None:
+        return StagingOptions()
+    if isinstance(given, StagingOptions):
+        return given
+    if _is_torch_options(given):
+        return StagingOptions.from_torch(given)  # type: ignore[arg-type]
+    raise ConfigurationError(
+        f"{label} must be an astage.StagingOptions, a torch.distributed.checkpoint.staging."
+        f"StagingOptions or None, got {type(given).__qualname__}"
+    )

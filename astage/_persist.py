@@ -659,9 +659,11 @@ async def load_replica(
             await blocking_io(f.close, limiter=limiter)
 
 
-def load_replica_sync(path: str | os.PathLike[str]) -> Any:
+def load_replica_sync(path: str | os.PathLike[str], *, on_read: Callable[[int], None] | None = None) -> Any:
     """Blocking :func:`load_replica`, for scripts and the CLI.
 
+    :param on_read: called with the byte count of each chunk of the body once read (a
+        progress bar's ``advance``); the body's length is ``inspect_replica(path).header.body_nbytes``.
     :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt; or
         it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
@@ -672,6 +674,8 @@ def load_replica_sync(path: str | os.PathLike[str]) -> Any:
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
         for view, offset in _chunks(header, body):
             f.read_into(view, offset)
+            if on_read is not None:
+                on_read(len(view))
         return f.decode(header, body)
     finally:
         f.close()

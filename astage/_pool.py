@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 import torch
 
-from ._errors import CapacityError, ClosedError
+from ._errors import CapacityError, ClosedError, ConfigurationError
 
 log = logging.getLogger("astage.pool")
 
@@ -43,6 +43,9 @@ RECLAIM_POLL_SECONDS = 0.02
 
 ALLOC_BATCH_BYTES = 64 << 20
 """Bytes allocated and pre-faulted per worker-thread call (bounds cancellation latency)."""
+
+CAP_WAIT_LOG_SECONDS = 1.0
+"""How long a request may wait for room under ``max_bytes`` before the wait is logged (INFO)."""
 
 
 class BufferKind(enum.Enum):
@@ -136,6 +139,7 @@ class Buffer:
 
     storage: torch.UntypedStorage
     nbytes: int
+    copy: int = 0  # which handed-out lease (staged copy) holds it, for the cap-wait log
 
 
 @dataclasses.dataclass(eq=False)
@@ -172,6 +176,8 @@ class BufferPool:
     :param max_bytes: cap on the bytes of buffers the pool holds; ``None`` for no cap.
     :param retain: keep returned buffers for reuse (``False``: free them at once).
     :param allocate_inline: allocate on the calling thread (for blocking stagers).
+    :param wait_log_seconds: a request that has waited this long for room under
+        ``max_bytes`` is logged once at INFO on ``astage.pool``, with what holds the memory.
     """
 
     def __init__(
@@ -181,11 +187,16 @@ class BufferPool:
         max_bytes: int | None = None,
         retain: bool = True,
         allocate_inline: bool = False,
+        wait_log_seconds: float = CAP_WAIT_LOG_SECONDS,
     ) -> None:
+        if not wait_log_seconds >= 0:  # also refuses NaN
+            raise ConfigurationError(f"wait_log_seconds must be >= 0, got {wait_log_seconds!r}")
         self.kind = kind
         self.max_bytes = max_bytes
         self.retain = retain
         self._inline = allocate_inline
+        self._wait_log_seconds = wait_log_seconds
+        self._copies_out = 0  # serial of the last lease handed out
         self._free: dict[int, list[Buffer]] = collections.defaultdict(list)
         self._free_bytes = 0
         self._leased_bytes = 0
@@ -311,6 +322,7 @@ class BufferPool:
         started = time.perf_counter()
         ticket = object()
         self._queue.append(ticket)
+        logged = False
         try:
             while True:
                 self._check_open()
@@ -320,6 +332,9 @@ class BufferPool:
                     got = self._take(sizes)
                     if got is not None:
                         break
+                if not logged and time.perf_counter() - started >= self._wait_log_seconds:
+                    logged = True
+                    self._log_wait(need, time.perf_counter() - started)
                 if self._changed is None:
                     self._changed = anyio.Event()
                 with anyio.move_on_after(RECLAIM_POLL_SECONDS):
@@ -348,6 +363,24 @@ class BufferPool:
         if waited > 0.001:
             log.debug("waited %.3fs for %d staging bytes", waited, need)
         return Lease(buffers, missing, reused, waited)
+
+    def _log_wait(self, need: int, waited: float) -> None:
+        # A stage stuck under the cap is the usual sign of staged copies never released
+        # (or released late): say how much they hold, so the operator can tell.
+        copies = len({buf.copy for buf in self._out.values()})
+        log.info(
+            "staging has waited %.1f s for room under max_staging_bytes=%s: it needs %s bytes; "
+            "%s bytes are held by %d staged %s not yet released, %s bytes are being staged, "
+            "%d request(s) are waiting",
+            waited,
+            f"{self.max_bytes:,}",
+            f"{need:,}",
+            f"{self._out_bytes:,}",
+            copies,
+            "copy" if copies == 1 else "copies",
+            f"{self._leased_bytes + self._reserved:,}",
+            len(self._queue),
+        )
 
     async def _allocate(self, sizes: list[int], limiter: anyio.CapacityLimiter | None) -> list[Buffer]:
         if not sizes:
@@ -385,8 +418,10 @@ class BufferPool:
     def hand_out(self, lease: Lease) -> None:
         """Mark a lease as owned by a caller: its buffers come back once unreferenced."""
         out = self._out
+        self._copies_out += 1
         for buf in lease.buffers:
             self._leased_bytes -= buf.nbytes
+            buf.copy = self._copies_out
             if not self._closed:
                 out[id(buf)] = buf
                 self._out_bytes += buf.nbytes

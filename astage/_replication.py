@@ -14,13 +14,20 @@ Invariants:
 * The whole call honours ``timeout``: a peer that dies or hangs is an astage error within
   ``timeout`` (plus the time to break the group), never a hang, and never a partial or
   unverified replica under its final name (the previous one stays).
-* After a transport failure the process group is unusable (see ``astage._transport``);
-  the stager refuses further exchanges with a clear error, while its local staging works.
+* Each call walks the protocol's phases (:class:`ReplicationPhase`): staged → posted → exchanged →
+  acknowledged.  A failure while *posted* or *exchanged* leaves the ranks out of step, and
+  the transport breaks the group on purpose (see ``astage._transport``): the stager then
+  refuses further exchanges with a clear error, while its local staging works.  A failure
+  while *staged* (nothing on the wire yet) or once *acknowledged* (both sides agreed on
+  the outcome) leaves the group usable.
+* Every constructor argument is checked in ``__init__``: a bad value never reaches the
+  wire, where it would cost the group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -29,13 +36,14 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 import torch
 import torch.distributed as dist
 
 from . import _transport
+from ._compat import refuse_torch_caller
 from ._errors import (
     ClosedError,
     ConfigurationError,
@@ -54,7 +62,7 @@ from ._format import (
     parse_prefix,
     verify_body,
 )
-from ._options import StagingOptions
+from ._options import StagingOptions, coerce_options
 from ._persist import (
     ReplicaWriter,
     _ReplicaFile,
@@ -66,11 +74,36 @@ from ._persist import (
 )
 from ._pool import BufferKind, BufferPool, Lease
 from ._stager import DefaultStager, StageStats
+from ._validate import check_int, check_path, check_seconds
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
 
 log = logging.getLogger("astage.replication")
 
 DEFAULT_MAX_REPLICA_BYTES = 1 << 40
 """Largest replica accepted from a peer unless told otherwise (checked before allocating)."""
+_MAX_BYTES = (1 << 63) - 1
+"""Sizes (and steps) travel as int64."""
+
+
+class ReplicationPhase(enum.Enum):
+    """How far one exchange got; it decides whether a failure breaks the process group."""
+
+    STAGED = "staged"
+    """Nothing posted yet: a failure leaves the group as it was."""
+    POSTED = "posted"
+    """Messages are on the wire: a failure breaks the group (the transport breaks it)."""
+    EXCHANGED = "exchanged"
+    """Both directions complete: a local failure is told to the peer in the acknowledgement;
+    failing to tell it (or being cancelled first) leaves the peer out of step."""
+    ACKNOWLEDGED = "acknowledged"
+    """Both sides agreed on the outcome (success or a reported failure): the group is fine."""
+
+    @property
+    def failure_breaks_group(self) -> bool:
+        """Whether a failure in this phase leaves the ranks out of step."""
+        return self in (ReplicationPhase.POSTED, ReplicationPhase.EXCHANGED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +157,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _check_call(step: object, checkpoint_id: object) -> None:
+    # Checked before staging; the format checks the rest (the id's length) while encoding.
+    check_int("step", step, lo=-(_MAX_BYTES + 1), hi=_MAX_BYTES)
+    if checkpoint_id is not None and not isinstance(checkpoint_id, str):
+        raise ConfigurationError(
+            f"checkpoint_id must be a str or None, got {type(checkpoint_id).__qualname__}"
+        )
+
+
 def _remaining(deadline: float) -> float:
     return max(deadline - time.perf_counter(), 1e-3)
-
-
-def _seconds(timeout: float | timedelta) -> float:
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not value > 0:
-        raise ConfigurationError(f"timeout must be positive, got {timeout!r}")
-    return value
 
 
 class ReplicationStager:
@@ -157,11 +192,14 @@ class ReplicationStager:
     :param timeout: seconds (or a timedelta) for one whole exchange.
     :param peer_offset: ring step k (default ``W // 2``).
     :param stager: the stager for this rank's state (default: a DefaultStager it owns).
-    :param options: options for the default stager.
+    :param options: options for the default stager (an astage or a torch
+        ``StagingOptions``); not with ``stager``.
     :param max_replica_bytes: largest replica accepted from a peer.
-    :param chunk_bytes: size of the body messages sent.
-    :raises ConfigurationError: no initialised process group, a group of one rank, a bad
-        offset, timeout or size.
+    :param chunk_bytes: size of the body messages sent, in
+        ``[astage._transport.MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]`` (4 KiB to 1 GiB).
+    :raises ConfigurationError: any argument of the wrong type or out of range (named), no
+        initialised process group, a rank outside ``process_group``, a group of one rank,
+        an offset that maps a rank to itself, or a backend the transport cannot drive.
     """
 
     def __init__(
@@ -172,24 +210,42 @@ class ReplicationStager:
         timeout: float | timedelta = 300.0,
         peer_offset: int | None = None,
         stager: DefaultStager | None = None,
-        options: StagingOptions | None = None,
+        options: StagingOptions | TorchStagingOptions | None = None,
         max_replica_bytes: int = DEFAULT_MAX_REPLICA_BYTES,
         chunk_bytes: int = _transport.CHUNK_BYTES,
     ) -> None:
+        # The plain arguments first, so that their errors do not depend on the group.
+        self.storage_dir = check_path("storage_dir", storage_dir)
+        self.timeout = check_seconds("timeout", timeout)
+        self.max_replica_bytes = check_int("max_replica_bytes", max_replica_bytes, lo=1, hi=_MAX_BYTES)
+        self.chunk_bytes = check_int(
+            "chunk_bytes", chunk_bytes, lo=_transport.MIN_CHUNK_BYTES, hi=_transport.MAX_CHUNK_BYTES
+        )
+        if peer_offset is not None and type(peer_offset) is not int:
+            raise ConfigurationError(f"peer_offset must be an int or None, got {peer_offset!r}")
+        if stager is not None and not isinstance(stager, DefaultStager):
+            raise ConfigurationError(
+                f"stager must be an astage DefaultStager (or a subclass), got {type(stager).__qualname__}"
+            )
+        if stager is not None and options is not None:
+            raise ConfigurationError("pass options or stager, not both: options configure the default stager")
+        resolved_options = coerce_options(options)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ConfigurationError(
+                "process_group must be a torch.distributed.ProcessGroup or None, "
+                f"got {type(process_group).__qualname__}"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigurationError("ReplicationStager needs an initialised torch.distributed process group")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        if self.rank < 0:
+            raise ConfigurationError("this rank is not a member of process_group")
         self.send_to, self.recv_from = _transport.ring_peers(self.rank, self.world_size, peer_offset)
-        self.storage_dir = Path(storage_dir)
-        self.timeout = _seconds(timeout)
-        if max_replica_bytes <= 0:
-            raise ConfigurationError(f"max_replica_bytes must be positive, got {max_replica_bytes}")
-        self.max_replica_bytes = max_replica_bytes
-        self.chunk_bytes = chunk_bytes
+        _transport.wire_kind(dist.get_backend_config(process_group))
         self._owns_stager = stager is None
-        self.stager = stager if stager is not None else DefaultStager(options)
+        self.stager = stager if stager is not None else DefaultStager(resolved_options)
         # Received replicas land in buffers reused from call to call (no page faults in
         # the steady state); one comes back once nothing references its replica.
         self._inbox = BufferPool(BufferKind.PLAIN)
@@ -200,6 +256,7 @@ class ReplicationStager:
         # What broke the group, as text: keeping the exception would keep its traceback's
         # frames, whose locals view the staged buffers, so the pool could never reclaim them.
         self._broken: str | None = None
+        self._phase = ReplicationPhase.ACKNOWLEDGED  # as if after a completed call: nothing pending
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -239,8 +296,14 @@ class ReplicationStager:
 
     # -- replicating --------------------------------------------------------------------------
 
+    @refuse_torch_caller
     async def stage(self, state_dict: Any) -> Any:
-        """Replicate ``state_dict`` (see :meth:`replicate`) and return this rank's staged copy."""
+        """Replicate ``state_dict`` (see :meth:`replicate`) and return this rank's staged copy.
+
+        Unlike torch's ``_ReplicationStager.stage``, which returns the *received* replica,
+        this keeps the stager contract (a training-safe copy of ``state_dict``), so that it
+        can stand wherever a stager does; the peer's state is ``replicate(...).replica``.
+        """
         return (await self.replicate(state_dict)).staged
 
     async def replicate(
@@ -254,13 +317,18 @@ class ReplicationStager:
         :raises IntegrityError: the peer's replica is malformed or corrupt.
         :raises PersistError: the peer's replica could not be written; the previous is kept.
         :raises ClosedError: the stager is closed.
+        :raises ConfigurationError: ``step`` or ``checkpoint_id`` of the wrong type (before
+            anything is staged).
         """
         self._check_usable()
+        _check_call(step, checkpoint_id)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._delete_retired)  # while staging, off the critical path
-            staged = await self.stager.stage(state_dict)
+            # This call's own stats: ``stager.last_stats`` is the latest stage's, which a
+            # concurrent call may have replaced by the time this one reads it.
+            staged, stage_stats = await self.stager.stage_with_stats(state_dict)
         try:
-            return await self._replicate(staged, step, checkpoint_id, self.stager.last_stats)
+            return await self._replicate(staged, step, checkpoint_id, stage_stats)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.stager.release(staged)
@@ -274,7 +342,18 @@ class ReplicationStager:
         ``staged`` must not change until this returns.
         """
         self._check_usable()
+        _check_call(step, checkpoint_id)
         return await self._replicate(staged, step, checkpoint_id, None)
+
+    @property
+    def phase(self) -> ReplicationPhase:
+        """How far the latest exchange got (:attr:`ReplicationPhase.ACKNOWLEDGED` before the first)."""
+        return self._phase
+
+    @property
+    def broken(self) -> bool:
+        """Whether an exchange failed mid-protocol and broke the process group."""
+        return self._broken is not None
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -293,6 +372,7 @@ class ReplicationStager:
             self._lock = anyio.Lock()
         async with self._lock:
             self._check_usable()
+            self._phase = ReplicationPhase.STAGED
             started = time.perf_counter()
             deadline = started + self.timeout
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
@@ -324,19 +404,21 @@ class ReplicationStager:
                         allocate=sink.allocate,
                         on_prefix=sink.on_prefix,
                         on_chunk=sink.on_chunk,
+                        on_posted=self._posted,
                     )
+                    self._phase = ReplicationPhase.EXCHANGED
                     persist_started = time.perf_counter()
                     header = await sink.finish()
                     if sink.retired is not None:
                         self._retired.append(sink.retired)
                 except Exception as exc:
-                    if isinstance(exc, TransportError) or not sink.exchanged:
+                    if self._phase is not ReplicationPhase.EXCHANGED:
                         raise
-                    # The group is healthy: tell the peer its replica is not kept, then fail.
+                    # The group is in step: tell the peer its replica is not kept, then fail.
                     try:
                         await self._ack(False, f"rank {self.rank} could not keep it: {exc}", deadline)
                     except PeerReportedError:
-                        pass  # the peer failed too, and said so: the group is healthy
+                        pass  # the peer failed too, and said so: acknowledged both ways
                     except TransportError as ack_failure:
                         # The peer was not told, and the transport broke the group doing so.
                         self._broken = _describe(ack_failure)
@@ -346,13 +428,7 @@ class ReplicationStager:
                 acked = time.perf_counter()
                 await self._ack(True, "", deadline)
             except BaseException as exc:
-                # The group stays usable only when both sides finished the protocol: the peer
-                # reported a failure, or we did (after the exchange) and told the peer.  A
-                # transport failure or a cancellation mid-protocol leaves it out of step.
-                completed = isinstance(exc, PeerReportedError) or (
-                    sink.exchanged and isinstance(exc, Exception) and not isinstance(exc, TransportError)
-                )
-                if not completed:
+                if self._phase.failure_breaks_group and self._broken is None:
                     self._broken = _describe(exc)
                 raise
             done = time.perf_counter()
@@ -399,6 +475,7 @@ class ReplicationStager:
             prefix, segments, nbytes = (
                 (found[0], ((0, found[1]),), found[1].numel()) if found else (b"", (), 0)
             )
+            self._phase = ReplicationPhase.STAGED
             try:
                 received = await _transport.exchange(
                     self.process_group,
@@ -408,10 +485,14 @@ class ReplicationStager:
                     timeout=self.timeout,
                     max_body_bytes=self.max_replica_bytes,
                     chunk_bytes=self.chunk_bytes,
+                    on_posted=self._posted,
                 )
-            except TransportError as exc:
-                self._broken = _describe(exc)
+            except BaseException as exc:
+                if self._phase.failure_breaks_group:
+                    self._broken = _describe(exc)
                 raise
+            # Recovery has no acknowledgement: the exchange completing ends the protocol.
+            self._phase = ReplicationPhase.ACKNOWLEDGED
         if not received.prefix:
             return None
         header = parse_prefix(received.prefix)
@@ -428,15 +509,24 @@ class ReplicationStager:
             await blocking_io(_delete, self._retired[0])
             self._retired.pop(0)
 
+    def _posted(self) -> None:
+        self._phase = ReplicationPhase.POSTED
+
     async def _ack(self, ok: bool, message: str, deadline: float) -> None:
-        await _transport.exchange_ack(
-            self.process_group,
-            ok,
-            send_to=self.send_to,
-            recv_from=self.recv_from,
-            timeout=_remaining(deadline),
-            message=message,
-        )
+        """Exchange acknowledgements; both sides agreed once it returns or the peer reports."""
+        try:
+            await _transport.exchange_ack(
+                self.process_group,
+                ok,
+                send_to=self.send_to,
+                recv_from=self.recv_from,
+                timeout=_remaining(deadline),
+                message=message,
+            )
+        except PeerReportedError:
+            self._phase = ReplicationPhase.ACKNOWLEDGED
+            raise
+        self._phase = ReplicationPhase.ACKNOWLEDGED
 
 
 def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
@@ -514,7 +604,6 @@ class _StreamingSink:
         self.lease: Lease | None = None
         self.verifier: BodyVerifier | None = None  # set, with the header, by on_prefix
         self.error: Exception | None = None
-        self.exchanged = False
         self.retired: Path | None = None  # the replica this one replaced, for the caller to delete
 
     async def on_prefix(self, prefix: bytes) -> None:
@@ -569,7 +658,6 @@ class _StreamingSink:
 
     async def finish(self) -> ReplicaHeader:
         """Check the whole replica came in and verified, then make it durable."""
-        self.exchanged = True
         if self.error is not None:
             raise self.error
         assert self.verifier is not None

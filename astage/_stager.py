@@ -24,20 +24,24 @@ import logging
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import torch
 
+from ._compat import refuse_torch_caller
 from ._copy import Batch, copy_in_threads, enqueue_device_copies, iter_batches, iter_pairs, run_batch
 from ._errors import ClosedError
 from ._events import Strategy, wait_event
-from ._options import ResolvedOptions, StagingOptions
+from ._options import ResolvedOptions, StagingOptions, coerce_options
 from ._plan import PlannedSource, StagePlan, iter_plan, iter_rebuild, iter_tensors, make_tensor
 from ._pool import BufferKind, BufferPool, Lease, PoolStats
 from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
 
 log = logging.getLogger("astage.stager")
 
@@ -95,6 +99,16 @@ class StageStats:
         """Copy throughput in GB/s (10^9 bytes per second) over the whole stage."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def __repr__(self) -> str:
+        # The throughput is what a reader of a log line wants first; it is derived, so
+        # the generated repr would leave it out.
+        return (
+            f"StageStats({self.gbps:.2f} GB/s, tensors={self.tensors}, storages={self.storages}, "
+            f"bytes={self.bytes:,}, bytes_allocated={self.bytes_allocated:,}, "
+            f"reused_buffers={self.reused_buffers}, seconds={self.seconds:.4f}, "
+            f"wait_seconds={self.wait_seconds:.4f})"
+        )
+
 
 class DefaultStager:
     """Stage state_dicts into pooled CPU buffers; the asyncio/anyio-native ``DefaultStager``.
@@ -106,7 +120,9 @@ class DefaultStager:
             ...                          # persist or send `staged`; training goes on
             await stager.release(staged)  # optional: buffers come back for the next stage
 
-    :param options: staging switches and memory cap; defaults work on every machine.
+    :param options: staging switches and memory cap; defaults work on every machine.  A
+        torch ``StagingOptions`` is accepted too (its four switches map one to one).
+    :param config: the same as ``options``, under torch's ``DefaultStager`` keyword.
     :param threads: worker threads for CPU copies and buffer allocation.
     :param event_strategy: how device events are awaited (``"poll"`` or ``"thread"``).
     :raises ConfigurationError: an option cannot work on this machine.
@@ -114,14 +130,15 @@ class DefaultStager:
 
     def __init__(
         self,
-        options: StagingOptions | None = None,
+        options: StagingOptions | TorchStagingOptions | None = None,
         *,
+        config: StagingOptions | TorchStagingOptions | None = None,
         threads: int = 2,
         event_strategy: Strategy = "poll",
         _strict: bool = False,
         _retain_buffers: bool = True,
     ) -> None:
-        self.options = options if options is not None else StagingOptions()
+        self.options = coerce_options(options, config)
         self._resolved: ResolvedOptions = self.options.resolve()
         r = self._resolved
         self._threads = threads
@@ -177,6 +194,7 @@ class DefaultStager:
 
     # -- staging --------------------------------------------------------------------------
 
+    @refuse_torch_caller
     async def stage(self, state_dict: Any) -> Any:
         """Return a CPU copy of ``state_dict`` that later changes to the source never reach.
 
@@ -186,6 +204,17 @@ class DefaultStager:
         :raises UnsupportedInputError: a value cannot be staged (names its key path).
         :raises CapacityError: the state_dict alone is larger than ``max_staging_bytes``.
         :raises ClosedError: the stager was closed.
+        :raises ConfigurationError: called synchronously by torch's ``dcp.async_save``
+            (wrap the stager in :class:`astage.dcp.StagerAdapter`).
+        """
+        staged, _ = await self.stage_with_stats(state_dict)
+        return staged
+
+    async def stage_with_stats(self, state_dict: Any) -> tuple[Any, StageStats]:
+        """Like :meth:`stage`, and also return this call's own :class:`StageStats`.
+
+        :attr:`last_stats` belongs to whichever stage finished last; with stages running
+        concurrently, only these stats are surely this call's.
         """
         if self._closed:
             raise ClosedError("stage() called on a closed stager")
@@ -201,7 +230,7 @@ class DefaultStager:
     async def _run(self, steps: Steps[Any]) -> Any:
         return await run_steps(steps) if self._resolved.async_copy else drive(steps)
 
-    async def _stage(self, state_dict: Any) -> Any:
+    async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
         started = clock()
         source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
         plan = source.plan
@@ -229,8 +258,7 @@ class DefaultStager:
             self._pool.reclaim()
             raise
         self._pool.hand_out(lease)
-        self._record(plan, lease, clock() - started)
-        return staged
+        return staged, self._record(plan, lease, clock() - started)
 
     async def _copy_from_host(self, plan_batches: Sequence[Batch]) -> None:
         if self._resolved.async_copy:
@@ -260,7 +288,7 @@ class DefaultStager:
                 await wait_event(side.record_event(), strategy=self._event_strategy)
             raise
 
-    def _record(self, plan: StagePlan, lease: Lease, seconds: float) -> None:
+    def _record(self, plan: StagePlan, lease: Lease, seconds: float) -> StageStats:
         stats = StageStats(
             tensors=len(plan.tensors),
             storages=len(plan.storages),
@@ -280,6 +308,7 @@ class DefaultStager:
             stats.seconds,
             stats.gbps,
         )
+        return stats
 
     # -- releasing ------------------------------------------------------------------------
 

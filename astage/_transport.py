@@ -55,8 +55,9 @@ Invariants:
   or :class:`TransportError` as soon as the backend reports a failure; it never waits for
   the process group's own timeout.  ``timeout`` is a parameter rather than the caller's
   cancel scope (ruff ASYNC109) because it must reach the gloo waits in worker threads.
-* Pending point-to-point work cannot be cancelled.  So when a call fails after posting
-  anything, or is cancelled, it **breaks the group on purpose** before it returns.  Gloo: a
+* Pending point-to-point work cannot be cancelled.  So when a call fails or is cancelled
+  after posting anything, it **breaks the group on purpose** before it returns (a call that
+  fails before its first post, say on a bad argument, leaves the group as it was).  Gloo: a
   1 ms timed-out receive makes gloo close every connection of the group on this rank; gloo
   lets go of every payload and body tensor at once, and the peers fail at once instead of
   at their own deadline.  NCCL: ``ProcessGroup.abort()`` tears the communicator down (its
@@ -162,6 +163,13 @@ class Payload:
     segments: Sequence[tuple[int, torch.Tensor]]
     body_nbytes: int
 
+    def __post_init__(self) -> None:
+        # The segments are checked where they are walked anyway (plan_chunks).
+        if not isinstance(self.prefix, bytes):
+            raise ConfigurationError(f"Payload.prefix must be bytes, got {type(self.prefix).__qualname__}")
+        if type(self.body_nbytes) is not int or self.body_nbytes < 0:
+            raise ConfigurationError(f"Payload.body_nbytes must be an int >= 0, got {self.body_nbytes!r}")
+
 
 @dataclass(frozen=True)
 class ExchangeStats:
@@ -242,7 +250,10 @@ def ring_peers(rank: int, world_size: int, offset: int | None = None) -> tuple[i
         raise ConfigurationError(f"rank {rank} is not in a group of {world_size}")
     k = world_size // 2 if offset is None else offset
     if k % world_size == 0:
-        raise ConfigurationError(f"peer offset {k} maps every rank of {world_size} to itself")
+        raise ConfigurationError(
+            f"peer_offset={k} maps every rank of a group of {world_size} to itself: "
+            f"it must not be a multiple of {world_size}"
+        )
     return (rank + k) % world_size, (rank - k) % world_size
 
 
@@ -396,6 +407,7 @@ async def exchange(
     allocate: Allocate | None = None,
     on_prefix: OnPrefix | None = None,
     on_chunk: OnChunk | None = None,
+    on_posted: Callable[[], None] | None = None,
 ) -> Received:
     """Send ``payload`` to ``send_to`` and receive a replica from ``recv_from``, concurrently.
 
@@ -412,6 +424,9 @@ async def exchange(
         allocated: raising there (say, on a header that does not parse) aborts the transfer.
     :param on_chunk: awaited with ``(body_offset, chunk)`` as each chunk lands, in order,
         while later chunks are in flight.
+    :param on_posted: called once, just before this call first touches the group (posts or
+        launches a message).  A call that fails before that leaves the group as it was; one
+        that fails after it has broken the group (see the module docstring).
     :returns: the peer's prefix and body, and the stats of the call.
     :raises ConfigurationError: bad peers, timeout, caps, chunk size, payload or allocation;
         a backend other than gloo or NCCL; an NCCL group without CUDA.
@@ -419,7 +434,7 @@ async def exchange(
     :raises PeerTimeoutError: the exchange did not finish within ``timeout``.
     :raises TransportError: the backend reported a failure (for example a peer that died).
     """
-    link = _Link(pg, timeout, send_to=send_to, recv_from=recv_from)
+    link = _Link(pg, timeout, send_to=send_to, recv_from=recv_from, on_posted=on_posted)
     limits = _Limits(max_body_bytes, max_prefix_bytes, allocate, on_prefix, on_chunk)
     plan = await run_steps(plan_chunks(payload.segments, payload.body_nbytes, chunk_bytes))
     await link.run(lambda: _send(link, payload.prefix, plan), lambda: _receive(link, limits))
@@ -539,8 +554,13 @@ class _Limits:
     on_chunk: OnChunk | None
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes < 0 or self.max_prefix_bytes < 0:
-            raise ConfigurationError("max_body_bytes and max_prefix_bytes must be >= 0")
+        for name in ("max_body_bytes", "max_prefix_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ConfigurationError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("allocate", "on_prefix", "on_chunk"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ConfigurationError(f"{name} must be callable or None, got {getattr(self, name)!r}")
 
 
 class _Link:
@@ -553,8 +573,14 @@ class _Link:
         *,
         send_to: int | None = None,
         recv_from: int | None = None,
+        on_posted: Callable[[], None] | None = None,
     ) -> None:
-        if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
+        if not (
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
             raise ConfigurationError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError("torch.distributed is not initialised")
@@ -565,7 +591,7 @@ class _Link:
         for name, peer in (("send_to", send_to), ("recv_from", recv_from)):
             # A group of one has no other rank: there the only peer is a loopback.
             if peer is not None and not (
-                isinstance(peer, int) and 0 <= peer < world and (peer != self.rank or world == 1)
+                type(peer) is int and 0 <= peer < world and (peer != self.rank or world == 1)
             ):
                 raise ConfigurationError(f"{name}={peer!r} is not another rank of this group of {world}")
         self.pg = pg
@@ -592,6 +618,10 @@ class _Link:
         self.body: torch.Tensor | None = None
         # A failure the peer reported in a well-formed acknowledgement: the group is fine.
         self.peer_failure: str | None = None
+        # Whether this call has touched the group: before that, a failure leaves nothing
+        # pending and no peer out of step, so there is nothing to break.
+        self.posted = False
+        self.on_posted = on_posted
 
     async def run(self, *directions: Callable[[], Awaitable[None]]) -> None:
         """Run the directions concurrently under the deadline; break the group on failure.
@@ -620,6 +650,8 @@ class _Link:
             if timer.cancelled_caught:
                 raise PeerTimeoutError(f"{self._progress()}: not complete within {self.timeout:g} s")
         except BaseException as exc:
+            if not self.posted:
+                raise  # nothing of this call is on the wire: the group is as it was
             # Whatever went wrong, the two sides no longer agree on what comes next.
             log.warning("rank %d: breaking the process group after a failed transfer: %r", self.rank, exc)
             with anyio.CancelScope(shield=True):
@@ -657,8 +689,15 @@ class _Link:
         assert self.body is not None
         return Received(self.prefix, self.body, self.stats())
 
+    def _posting(self) -> None:
+        if not self.posted:
+            self.posted = True
+            if self.on_posted is not None:
+                self.on_posted()
+
     async def expect(self, total: int, *, send: bool) -> None:
         """Announce that the direction posts ``total`` messages in all in this call."""
+        self._posting()  # (NCCL may launch from here)
         try:
             await self.wire.expect(total, send=send)
         except RuntimeError as exc:
@@ -666,6 +705,7 @@ class _Link:
 
     async def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> _Message:
         """Post a non-blocking send of ``tensor`` to ``send_to`` or receive into it from ``recv_from``."""
+        self._posting()
         try:
             message = await self.wire.post(tensor, tag, send=send)
         except RuntimeError as exc:
@@ -1011,7 +1051,7 @@ def _copy_boxed(
 
 
 def _check_chunk_bytes(chunk_bytes: int, error: type[Exception], name: str) -> None:
-    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+    if type(chunk_bytes) is not int or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise error(f"{name} must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
 
 

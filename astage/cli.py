@@ -1,127 +1,724 @@
-"""The ``astage`` command.  Uses the public API only.
+"""The ``astage`` command: look at checkpoint directories and files, run the demo and benchmarks.
 
-``astage demo`` runs the README's main job on an embedded default: a small built-in model
-and a temporary directory, no arguments needed.
+Everything it prints that comes from a file (keys, values, checkpoint ids, file names) is
+untrusted: the consoles render no markup and no emoji codes, and such text is passed as
+:class:`rich.text.Text` with non-printable characters escaped, so a key such as ``"x[/]"``
+is shown as itself and cannot break the output or drive the terminal.  Tables are never cut
+to a terminal width when the output is piped, and ``--json`` gives the same facts to
+programs.  Progress bars (on stderr) appear only on a terminal.
+
+The commit markers and the Checkpointer's layout are read through :mod:`astage._checkpointer`,
+the code :meth:`astage.Checkpointer.restore` trusts, so ``ls`` flags exactly the local copies
+a restore would refuse.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import json
 import math
+import os
+import pkgutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 import astage
 
+from ._checkpointer import _Marker, _names, check_committed, layout_role, read_marker, step_of_dir
 from ._demo import run_demo
+from ._errors import Attr, format_key_path
+from ._format import ReplicaHeader
+from ._persist import REPLICA_SUFFIX, is_temp_name
+from ._plan import AtomNode, CopyNode, DictNode, Node, ObjectNode, RefNode, SeqNode, TensorNode
 
-console = Console()
-errors = Console(stderr=True)
+DESCRIPTION = """\
+Look at and verify astage checkpoints and replicas, run the demo and the benchmarks.
+
+`astage ls DIR` lists the checkpoint steps under DIR (committed or not, the latest, size,
+ranks) and the replica files, and checks every committed step as a restore would;
+`astage inspect FILE` shows one checkpoint file, replica or commit marker in full.
+
+exit status: 0 all good; 1 damaged data found (a committed step or a replica that would not
+restore) or a benchmark failed; 2 bad arguments or unreadable input."""
+
+EXIT_DAMAGED = 1
+EXIT_ERROR = 2
 
 
-def _inspect(path: Path, verify: bool) -> int:
-    info = astage.inspect_replica(path)
+def _stdout_console() -> Console:
+    # Piped output is never cut to a width: a table takes the width its cells need.
+    wide = None if sys.stdout.isatty() else 1 << 16
+    return Console(markup=False, emoji=False, highlight=False, width=wide)
+
+
+console = _stdout_console()
+errors = Console(stderr=True, markup=False, emoji=False, highlight=False, soft_wrap=True)
+
+
+def shown(value: object) -> Text:
+    """Untrusted text for display: never markup, non-printable characters escaped."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return Text(text)
+
+
+def _bar(on: Console, *, nbytes: bool) -> Progress | None:
+    """A transient progress bar on ``on`` if it is a terminal (never in a pipe or a file)."""
+    if not on.is_terminal:
+        return None
+    columns: list[ProgressColumn] = [
+        SpinnerColumn(),
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn() if nbytes else MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
+    return Progress(*columns, console=on, transient=True)
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: float | None, *, nbytes: bool) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr (a terminal only; stdout may be JSON); yields ``advance(amount)``."""
+    bar = _bar(Console(stderr=True, markup=False, emoji=False, highlight=False), nbytes=nbytes)
+    if bar is None:
+        yield lambda amount: None
+        return
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda amount: bar.advance(task, amount)
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+# -- inspect --------------------------------------------------------------------------------
+
+
+def _leaves(node: Node, path: tuple[object, ...]) -> Iterator[tuple[tuple[object, ...], Node]]:
+    """Every leaf of a decoded tree with its key path (containers met twice: a reference)."""
+    if isinstance(node, DictNode):
+        for key, value in zip(node.keys, node.values, strict=True):
+            yield from _leaves(value, (*path, key))
+        children = node.attrs
+    elif isinstance(node, SeqNode):
+        for index, item in enumerate(node.items):
+            yield from _leaves(item, (*path, index))
+        children = node.attrs
+    elif isinstance(node, ObjectNode):
+        children = node.fields
+    else:
+        yield path, node
+        return
+    for name, child in children:
+        yield from _leaves(child, (*path, Attr(name)))
+
+
+def _key_text(path: tuple[object, ...]) -> str:
+    return format_key_path(path).removeprefix("state_dict") or "<root>"
+
+
+def _leaf_rows(header: ReplicaHeader) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for path, node in _leaves(header.plan.root, ()):
+        row: dict[str, Any] = {"key_path": _key_text(path)}
+        if isinstance(node, TensorNode):
+            spec = header.plan.tensors[node.position]
+            row |= {
+                "type": spec.kind.value,
+                "dtype": str(spec.dtype).removeprefix("torch."),
+                "shape": list(spec.size),
+                "storage": spec.storage,
+                "nbytes": spec.dtype.itemsize * math.prod(spec.size),
+            }
+        elif isinstance(node, RefNode):
+            row |= {"type": "reference", "value": "the same container as an earlier key"}
+        else:
+            assert isinstance(node, AtomNode | CopyNode)
+            value = node.value
+            text = repr(value)
+            row |= {"type": type(value).__name__, "value": text if len(text) <= 200 else text[:199] + "…"}
+        rows.append(row)
+    return rows
+
+
+def _replica_summary(info: astage.ReplicaInfo) -> dict[str, Any]:
     header = info.header
-    console.print(f"[bold]{path}[/bold]")
+    return {
+        "owner_rank": info.owner_rank,
+        "holder_rank": info.holder_rank,
+        "step": info.step,
+        "checkpoint_id": info.checkpoint_id,
+        "created": info.created,
+        "nbytes": info.nbytes,
+        "body_nbytes": header.body_nbytes,
+        "tensors": header.num_tensors,
+        "storages": len(header.segments),
+    }
+
+
+def _verify_file(path: Path, body_nbytes: int) -> None:
+    with _progress(f"verifying {shown(path.name)}", body_nbytes, nbytes=True) as advance:
+        astage.load_replica_sync(path, on_read=advance)
+
+
+def _file_kind(path: Path) -> tuple[str, int | None, int | None]:
+    """``("marker" | "checkpoint" | "replica", step, rank)`` from where and how a file is named."""
+    role = layout_role(path.name)
+    step = step_of_dir(path.parent.name)
+    if role is not None and step is not None:
+        return role[0], step, role[1]
+    return ("marker" if path.name.endswith(".COMMITTED") else "replica"), step, None
+
+
+def _committed_by_marker(path: Path, step: int, rank: int) -> bool:
+    """Whether a valid commit marker beside a checkpoint file names it."""
+    try:
+        marker = read_marker(path.with_name(_names(rank)[1]), step=step, rank=rank)
+    except (astage.IntegrityError, OSError):
+        return False
+    return any(f.name == path.name for f in marker.files)
+
+
+def _inspect(path: Path, verify: bool, as_json: bool) -> int:
+    kind, step, rank = _file_kind(path)
+    if kind == "marker":
+        return _inspect_marker(path, step, rank, verify, as_json)
+    info = astage.inspect_replica(path)
+    doc: dict[str, Any] = {"path": str(path), "kind": kind, **_replica_summary(info)}
+    if kind == "checkpoint":
+        assert step is not None
+        assert rank is not None
+        doc["committed"] = _committed_by_marker(path, step, rank)
+    doc["leaves"] = _leaf_rows(info.header)
+    if verify:
+        _verify_file(path, info.header.body_nbytes)
+    doc["verified"] = verify
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    if kind == "checkpoint":
+        state = "committed" if doc["committed"] else "not committed (no valid commit marker names it)"
+        title = f"checkpoint file of rank {info.owner_rank}, step {info.step}: {state}"
+    elif info.holder_rank is None:
+        title = f"astage file of rank {info.owner_rank}'s step {info.step}"
+    else:
+        title = f"replica of rank {info.owner_rank}'s step {info.step}, kept by rank {info.holder_rank}"
+    console.print(shown(path), style="bold")
+    console.print(title)
     console.print(
-        f"owner rank {info.owner_rank}, holder rank {info.holder_rank}, step {info.step}, "
-        f"checkpoint {info.checkpoint_id!r}, created {time.ctime(info.created)}"
-    )
-    console.print(
-        f"{header.num_tensors} tensors in {len(header.segments)} storages, "
-        f"{header.body_nbytes:,} data bytes, {info.nbytes:,} bytes on disk"
+        Text.assemble(
+            "checkpoint id ",
+            shown(repr(info.checkpoint_id)),
+            f", created {_iso(info.created)}; {info.header.num_tensors} tensors in "
+            f"{len(info.header.segments)} storages, {info.header.body_nbytes:,} data bytes, "
+            f"{info.nbytes:,} bytes on disk",
+        )
     )
     table = Table(show_edge=False)
-    for column in ("key path", "dtype", "shape", "storage", "bytes"):
+    for column in ("key path", "type", "dtype / value", "shape", "storage", "bytes"):
         table.add_column(column, justify="right" if column in ("storage", "bytes") else "left")
-    for spec in header.plan.tensors:
-        path_text = "".join(f"[{k!r}]" if not hasattr(k, "name") else f".{k.name}" for k in spec.key_path)
-        nbytes = spec.dtype.itemsize * math.prod(spec.size)
-        table.add_row(
-            path_text or "<root>",
-            str(spec.dtype).removeprefix("torch."),
-            str(list(spec.size)),
-            str(spec.storage),
-            f"{nbytes:,}",
-        )
+    for row in doc["leaves"]:
+        if "dtype" in row:
+            cells = [row["dtype"], str(row["shape"]), str(row["storage"]), f"{row['nbytes']:,}"]
+        else:
+            cells = [row["value"], "", "", ""]
+        table.add_row(shown(row["key_path"]), shown(row["type"]), *(shown(c) for c in cells))
     console.print(table)
     if verify:
-        astage.load_replica_sync(path)
-        console.print("[green]checksums verified: header and every storage[/green]")
+        console.print("checksums verified: header and every storage", style="green")
     return 0
 
 
-def _ls(directory: Path) -> int:
-    if not directory.is_dir():
-        raise astage.ConfigurationError(f"{directory} is not a directory")
-    replicas = astage.find_replicas(directory)
-    table = Table(title=f"replicas in {directory}")
-    for column in ("file", "owner", "holder", "step", "checkpoint", "bytes", "written"):
-        table.add_column(column)
-    for r in replicas:
-        table.add_row(
-            r.path.name,
-            str(r.owner_rank),
-            str(r.holder_rank),
-            str(r.step),
-            r.checkpoint_id,
-            f"{r.nbytes:,}",
-            time.ctime(r.mtime),
+def _inspect_marker(path: Path, step: int | None, rank: int | None, verify: bool, as_json: bool) -> int:
+    if step is None or rank is None:
+        raise astage.ConfigurationError(
+            f"{path} looks like a commit marker, but only one named rankNNNNN.COMMITTED inside its "
+            "step directory (step_NNNNNNNNNN) can be checked"
         )
-    console.print(table if replicas else f"no replicas in {directory}")
-    return 0
+    marker = read_marker(path, step=step, rank=rank)
+    total = sum(f.nbytes for f in marker.files) if verify else None
+    with _progress(f"verifying step {marker.step}", total, nbytes=True) as advance:
+        problem = _check(path.parent, marker, verify, advance)
+    doc = {
+        "path": str(path),
+        "kind": "marker",
+        "step": marker.step,
+        "rank": marker.rank,
+        "checkpoint_id": marker.checkpoint_id,
+        "created": marker.created,
+        "files": [dataclasses.asdict(f) for f in marker.files],
+        "verified": verify,
+        "problem": problem,
+    }
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        console.print(shown(path), style="bold")
+        console.print(f"commit marker: step {marker.step} of rank {marker.rank} is committed")
+        console.print(
+            Text.assemble("checkpoint id ", shown(repr(marker.checkpoint_id)), f", {_iso(marker.created)}")
+        )
+        for entry in marker.files:
+            console.print(Text.assemble("  names ", shown(entry.name), f" ({entry.nbytes:,} bytes)"))
+        if problem:
+            errors.print(Text.assemble("DAMAGED: ", shown(problem)), style="red")
+        else:
+            what = "checksums verified" if verify else "headers match the marker"
+            console.print(f"the files it names are there; {what}", style="green")
+    return EXIT_DAMAGED if problem else 0
+
+
+def _check(step_dir: Path, marker: _Marker, verify: bool, advance: Callable[[int], None]) -> str | None:
+    """Why a committed step would not restore, or ``None``; ``advance`` gets its file bytes."""
+    total = sum(f.nbytes for f in marker.files) if verify else 0
+    try:
+        with _accounted(advance, total) as read:
+            check_committed(step_dir, marker, verify=verify, on_read=read)
+    except FileNotFoundError as exc:
+        return f"its checkpoint file is missing: {exc.filename}"
+    except (astage.IntegrityError, OSError) as exc:
+        return f"its checkpoint file is corrupt: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def _accounted(advance: Callable[[int], None], total: int) -> Iterator[Callable[[int], None]]:
+    """Pass reads on to ``advance``; at the end, count what was not read (headers, a failure)."""
+    done = 0
+
+    def read(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        advance(nbytes)
+
+    try:
+        yield read
+    finally:
+        advance(total - done)
+
+
+# -- ls -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _RankState:
+    rank: int
+    checkpoint_file: str | None = None
+    nbytes: int = 0
+    marker: _Marker | None = None  # the parsed commit marker, if valid
+    marker_file: str | None = None
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.marker is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "checkpoint_file": self.checkpoint_file,
+            "marker_file": self.marker_file,
+            "committed": self.committed,
+            "checkpoint_id": None if self.marker is None else self.marker.checkpoint_id,
+            "created": None if self.marker is None else self.marker.created,
+            "nbytes": self.nbytes,
+            "problem": self.problem,
+        }
+
+
+@dataclasses.dataclass
+class _Step:
+    step: int
+    path: Path
+    ranks: dict[int, _RankState] = dataclasses.field(default_factory=dict)
+    temps: list[str] = dataclasses.field(default_factory=list)
+    others: list[str] = dataclasses.field(default_factory=list)
+
+    def rank(self, rank: int) -> _RankState:
+        return self.ranks.setdefault(rank, _RankState(rank))
+
+    @property
+    def committed(self) -> bool:
+        """Every rank present has a valid commit marker (as the Checkpointer sees it)."""
+        return bool(self.ranks) and all(r.committed for r in self.ranks.values())
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"rank {r.rank}: {r.problem}" for r in self.ranks.values() if r.problem]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks.values())
+
+
+def _read_step(step_dir: Path, step: int) -> _Step:
+    found = _Step(step, step_dir)
+    with os.scandir(step_dir) as listing:
+        entries = sorted(listing, key=lambda e: e.name)
+    for entry in entries:
+        role = layout_role(entry.name)
+        if role is None:
+            (found.temps if is_temp_name(entry.name) else found.others).append(entry.name)
+            continue
+        what, rank = role
+        state = found.rank(rank)
+        size = entry.stat(follow_symlinks=False).st_size
+        state.nbytes += size
+        if what == "checkpoint":
+            state.checkpoint_file = entry.name
+            continue
+        state.marker_file = entry.name
+        try:
+            state.marker = read_marker(Path(entry.path), step=step, rank=rank)
+        except (astage.IntegrityError, OSError) as exc:
+            state.problem = f"its commit marker {entry.name} is invalid: {exc}"
+    return found
+
+
+def _find(top: Path) -> tuple[dict[Path, list[_Step]], dict[Path, list[Path]]]:
+    """Checkpoint directories (with their step directories) and replica files under ``top``."""
+    checkpoints: dict[Path, list[_Step]] = {}
+    replicas: dict[Path, list[Path]] = {}
+    if (step := step_of_dir(top.name)) is not None:
+        checkpoints[top.parent] = [_read_step(top, step)]
+        return checkpoints, replicas
+    for here, dirs, files in os.walk(top):  # symlinked directories are listed, never entered
+        directory = Path(here)
+        # A symlinked step directory is not the Checkpointer's (it never follows one): skipped.
+        steps = sorted(
+            (s, d) for d in dirs if (s := step_of_dir(d)) is not None and not (directory / d).is_symlink()
+        )
+        if steps:
+            checkpoints[directory] = [_read_step(directory / d, s) for s, d in steps]
+        dirs[:] = sorted(d for d in dirs if step_of_dir(d) is None)
+        found = sorted(directory / f for f in files if f.endswith(REPLICA_SUFFIX))
+        found = [p for p in found if p.is_file() and not p.is_symlink()]
+        if found:
+            replicas[directory] = found
+    return checkpoints, replicas
+
+
+def _rank_span(ranks: Sequence[int]) -> str:
+    if not ranks:
+        return "-"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _ls(top: Path, verify: bool, as_json: bool) -> int:
+    if not top.is_dir():
+        raise astage.ConfigurationError(f"{top} is not a directory")
+    checkpoints, replica_dirs = _find(top)
+    committed = [
+        (s, r, r.marker)
+        for steps in checkpoints.values()
+        for s in steps
+        for r in s.ranks.values()
+        if r.marker is not None
+    ]
+    total = None
+    if verify:
+        total = sum(f.nbytes for _, _, m in committed for f in m.files)
+        total += sum(p.stat().st_size for paths in replica_dirs.values() for p in paths)
+    replicas: dict[Path, list[dict[str, Any]]] = {}
+    with _progress("checking committed steps and replicas", total, nbytes=True) as advance:
+        for s, r, marker in committed:
+            r.problem = _check(s.path, marker, verify, advance)
+        for directory, paths in replica_dirs.items():
+            replicas[directory] = [_replica_entry(p, verify, advance) for p in paths]
+
+    doc: dict[str, Any] = {"directory": str(top), "verified": verify, "checkpoints": [], "replicas": []}
+    for directory, steps in checkpoints.items():
+        all_ranks = sorted({r.rank for s in steps for r in s.ranks.values() if r.committed})
+        complete = [s.step for s in steps if s.committed and not s.problems and sorted(s.ranks) == all_ranks]
+        doc["checkpoints"].append(
+            {
+                "directory": str(directory),
+                "latest": max(complete, default=None),
+                "ranks": all_ranks,
+                "steps": [
+                    {
+                        "step": s.step,
+                        "path": str(s.path),
+                        "committed": s.committed,
+                        "damaged": bool(s.problems),
+                        "nbytes": s.nbytes,
+                        "ranks": [r.to_json() for r in sorted(s.ranks.values(), key=lambda r: r.rank)],
+                        "temp_files": s.temps,
+                        "other_files": s.others,
+                        "problems": s.problems,
+                    }
+                    for s in steps
+                ],
+            }
+        )
+    for directory, entries in replicas.items():
+        doc["replicas"].append({"directory": str(directory), "files": entries})
+    problems = [
+        f"{step['path']}: {p}" for c in doc["checkpoints"] for step in c["steps"] for p in step["problems"]
+    ] + [
+        f"{f['path']}: invalid replica: {f['problem']}"
+        for d in doc["replicas"]
+        for f in d["files"]
+        if f["problem"]
+    ]
+    doc["problems"] = problems
+    doc["ok"] = not problems
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_ls(doc)
+    return EXIT_DAMAGED if problems else 0
+
+
+def _replica_entry(path: Path, verify: bool, advance: Callable[[int], None]) -> dict[str, Any]:
+    try:
+        with _accounted(advance, path.stat().st_size if verify else 0) as read:
+            info = astage.inspect_replica(path)
+            if verify:
+                astage.load_replica_sync(path, on_read=read)
+    except (astage.IntegrityError, OSError) as exc:
+        return {"path": str(path), "name": path.name, "problem": str(exc)}
+    return {
+        "path": str(path),
+        "name": path.name,
+        "problem": None,
+        "mtime": info.mtime,
+        **_replica_summary(info),
+    }
+
+
+def _print_ls(doc: dict[str, Any]) -> None:
+    if not doc["checkpoints"] and not doc["replicas"]:
+        console.print(Text.assemble("no checkpoints and no replicas under ", shown(doc["directory"])))
+    for c in doc["checkpoints"]:
+        latest = "none" if c["latest"] is None else str(c["latest"])
+        # Titles go on their own line: a table's title would wrap at the table's width.
+        console.print(Text.assemble("checkpoint directory ", shown(c["directory"])), style="bold")
+        table = Table()
+        for column in ("step", "committed", "ranks", "bytes", "committed at", "notes"):
+            table.add_column(column, justify="right" if column in ("step", "bytes") else "left")
+        for s in c["steps"]:
+            ranks = s["ranks"]
+            done = [r["rank"] for r in ranks if r["committed"] and not r["problem"]]
+            created = max((r["created"] for r in ranks if r["created"] is not None), default=None)
+            notes = [*s["problems"]]
+            pending = [r["rank"] for r in ranks if not r["committed"] and not r["problem"]]
+            if pending:
+                notes.append(f"uncommitted checkpoint file(s) of rank(s) {_rank_span(pending)}")
+            if s["temp_files"]:
+                notes.append(f"{len(s['temp_files'])} unfinished temp file(s)")
+            if s["step"] == c["latest"]:
+                notes.insert(0, "latest")
+            state = "DAMAGED" if s["damaged"] else "yes" if s["committed"] else "no"
+            table.add_row(
+                str(s["step"]),
+                Text(state, style="red" if s["damaged"] else "green" if s["committed"] else "yellow"),
+                _rank_span(done),
+                f"{s['nbytes']:,}",
+                _iso(created) if created is not None else "-",
+                shown("; ".join(notes)),
+            )
+        console.print(table)
+        console.print(f"latest complete step: {latest}; ranks {_rank_span(c['ranks'])}\n")
+    for d in doc["replicas"]:
+        console.print(Text.assemble("replica files in ", shown(d["directory"])), style="bold")
+        table = Table()
+        for column in ("file", "owner rank", "holder rank", "step", "checkpoint id", "bytes", "written"):
+            table.add_column(column, justify="right" if column in ("step", "bytes") else "left")
+        for f in d["files"]:
+            if f["problem"]:
+                table.add_row(
+                    shown(f["name"]), Text("INVALID", style="red"), "", "", shown(f["problem"]), "", ""
+                )
+                continue
+            table.add_row(
+                shown(f["name"]),
+                str(f["owner_rank"]),
+                str(f["holder_rank"]),
+                str(f["step"]),
+                shown(repr(f["checkpoint_id"])),
+                f"{f['nbytes']:,}",
+                _iso(f["mtime"]),
+            )
+        console.print(table)
+    for problem in doc["problems"]:
+        errors.print(Text.assemble("DAMAGED: ", shown(problem)), style="red")
+
+
+# -- bench ----------------------------------------------------------------------------------
+
+
+def _bench_package() -> tuple[str, Path | None]:
+    """The benchmarks' package, and the directory to run it from (a checkout) or ``None``."""
+    # A normal install ships them as astage._bench (see pyproject.toml); a checkout keeps
+    # them in the top-level benchmarks/ package beside astage/.
+    if importlib.util.find_spec("astage._bench") is not None:
+        return "astage._bench", None
+    root = Path(astage.__file__).resolve().parent.parent
+    if (root / "benchmarks" / "__init__.py").is_file():
+        return "benchmarks", root
+    raise astage.ConfigurationError("this installation of astage has no benchmarks")
+
+
+def bench_names() -> list[str]:
+    """The benchmarks ``astage bench`` can run (``bench_NAME`` modules of the package)."""
+    package, root = _bench_package()
+    path = importlib.import_module(package).__path__ if root is None else [str(root / "benchmarks")]
+    return sorted(
+        m.name.removeprefix("bench_") for m in pkgutil.iter_modules(path) if m.name.startswith("bench_")
+    )
+
+
+def _run_bench(args: list[str], cwd: Path | None, env: dict[str, str], bar: Progress | None) -> int:
+    if bar is None:
+        return subprocess.run(args, cwd=cwd, env=env, check=False).returncode
+    with subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            bar.console.out(line.rstrip("\n"), highlight=False)
+        return proc.wait()
 
 
 def _bench(names: list[str], quick: bool) -> int:
-    root = Path(astage.__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "__init__.py").exists():
+    valid = bench_names()
+    unknown = [n for n in names if n not in valid]
+    if unknown:
         raise astage.ConfigurationError(
-            "the benchmarks live in astage's source tree; run `astage bench` from a checkout"
+            f"no benchmark named {', '.join(map(repr, unknown))}; the benchmarks are: {', '.join(valid)}"
         )
-    code = 0
-    for name in names:
-        args = [sys.executable, "-m", f"benchmarks.bench_{name}", *(["--quick"] if quick else [])]
-        code = code or subprocess.run(args, cwd=root, check=False).returncode
-    return code
+    package, root = _bench_package()
+    chosen = names or valid
+    failed: list[str] = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # On a terminal the benchmarks' output is passed through the bar's console, so that it
+    # scrolls above the bar instead of being overwritten by it.
+    bar = _bar(console, nbytes=False)
+    with bar or contextlib.nullcontext():
+        task = None if bar is None else bar.add_task("benchmarks", total=len(chosen))
+        say = errors.print if bar is None else bar.console.print
+        for name in chosen:
+            say(f"astage bench: running {name}{' (quick)' if quick else ''}", style="bold")
+            args = [sys.executable, "-m", f"{package}.bench_{name}", *(["--quick"] if quick else [])]
+            # Each benchmark runs in its own process: one that crashes or leaks cannot take
+            # the others with it, and every one runs whatever an earlier one did.
+            code = _run_bench(args, root, env, bar)
+            if code != 0:
+                failed.append(f"{name} (exit status {code})")
+                say(f"astage bench: {name} failed with exit status {code}", style="red")
+            if bar is not None and task is not None:
+                bar.advance(task, 1)
+    if failed:
+        errors.print(f"astage bench: {len(failed)} of {len(chosen)} failed: {', '.join(failed)}", style="red")
+        return EXIT_DAMAGED
+    return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``astage`` console script."""
-    parser = argparse.ArgumentParser(prog="astage", description=astage.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# -- the command ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's argument parser (every argument has help text)."""
+    parser = argparse.ArgumentParser(
+        prog="astage", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"astage {astage.__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do (`astage COMMAND --help`: more)"
+    )
     demo = sub.add_parser(
         "demo",
-        help="train on 2 local ranks, checkpoint and replicate every few steps, restore and check",
+        help="train on local ranks, checkpoint and replicate every few steps, restore and check",
+        description="Train a small model on local ranks, checkpoint and replicate every few steps, "
+        "then restore, also from a peer's replica, and check every byte.",
     )
     demo.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
     demo.add_argument("--every", type=int, default=4, help="checkpoint every N steps (default 4)")
     demo.add_argument("--ranks", type=int, default=2, help="local processes in the gloo group (default 2)")
-    demo.add_argument("--directory", type=Path, default=None, help="default: a temporary directory")
-    inspect = sub.add_parser("inspect", help="show a replica's header and tensors, and verify its checksums")
-    inspect.add_argument("path", type=Path)
-    inspect.add_argument("--no-verify", action="store_true", help="read only the header")
-    ls = sub.add_parser("ls", help="list the replicas in a directory")
-    ls.add_argument("directory", type=Path)
-    bench = sub.add_parser("bench", help="run the benchmarks and print their tables")
-    bench.add_argument("names", nargs="*", default=["staging", "replication"], help="which benchmarks")
-    bench.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
-    args = parser.parse_args(argv)
+    demo.add_argument(
+        "--directory", type=Path, default=None, help="where to checkpoint (default: a temporary directory)"
+    )
+    inspect = sub.add_parser(
+        "inspect",
+        help="show a checkpoint file, replica or commit marker, and verify its checksums",
+        description="Show one file: a checkpoint file (step_N/rankR.astage), a replica, or a commit "
+        "marker (step_N/rankR.COMMITTED, checked against the file it names). Exits 1 if a marker's "
+        "file is damaged, 2 if the file itself cannot be read or is corrupt.",
+    )
+    inspect.add_argument("path", type=Path, metavar="FILE", help="the file to show")
+    inspect.add_argument(
+        "--no-verify", action="store_true", help="read only the header, not every checksum of the data"
+    )
+    inspect.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    ls = sub.add_parser(
+        "ls",
+        help="list checkpoint steps and replicas under a directory, and check the committed ones",
+        description="List what lies under DIR, recursively: each checkpoint directory's steps (committed "
+        "or not, ranks, size, the latest complete step) and each replica file. Every committed step is "
+        "checked against its commit marker, as a restore would; exits 1 if one is damaged.",
+    )
+    ls.add_argument(
+        "directory", type=Path, metavar="DIR", help="a checkpoint directory, a step directory, or a parent"
+    )
+    ls.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="compare headers with the markers only, without reading every byte to verify checksums",
+    )
+    ls.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmarks and print their tables",
+        description="Run benchmarks, each in its own process; every one runs even if an earlier one "
+        "fails, and the exit status is 1 if any failed.",
+    )
+    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    bench.add_argument(
+        "--quick", action="store_true", help="every benchmark at its smallest size (a smoke run)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``astage`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
             return run_demo(args.steps, args.every, args.ranks, args.directory)
         if args.command == "inspect":
-            return _inspect(args.path, not args.no_verify)
+            return _inspect(args.path, not args.no_verify, args.json)
         if args.command == "ls":
-            return _ls(args.directory)
+            return _ls(args.directory, not args.no_verify, args.json)
         if args.command == "bench":
             return _bench(args.names, args.quick)
     except (astage.AstageError, OSError) as exc:
-        errors.print(f"astage {args.command}: {exc}", style="red", highlight=False, soft_wrap=True)
-        return 2
+        errors.print(Text.assemble(f"astage {args.command}: ", shown(exc)), style="red")
+        return EXIT_ERROR
     return 0

@@ -83,7 +83,7 @@ class StagerAdapter(TorchAsyncStager):
     :param stager: the astage stager; ``None`` for a :class:`~astage.DefaultStager`.
     :param close_stager: whether :meth:`close` closes the stager too (always true for the
         default one).
-    :raises ConfigurationError: ``stager`` is not an astage stager.
+    :raises ConfigurationError: ``stager`` is not an astage stager, or ``close_stager`` not a bool.
     """
 
     def __init__(self, stager: AsyncStager | None = None, *, close_stager: bool = True) -> None:
@@ -92,6 +92,8 @@ class StagerAdapter(TorchAsyncStager):
                 f"StagerAdapter needs an astage stager (async stage() and aclose()), "
                 f"got {type(stager).__qualname__}"
             )
+        if not isinstance(close_stager, bool):
+            raise ConfigurationError(f"close_stager must be a bool, got {close_stager!r}")
         self._stager: AsyncStager = stager if stager is not None else DefaultStager()
         self._close_stager = close_stager or stager is None
         self._lock = threading.Lock()

@@ -1,14 +1,21 @@
 """Staging benchmark: astage against a raw-copy ceiling and torch's own stagers, in one table.
 
-Two inputs: (a) a GPT-2-small-shaped checkpoint with Adam state (~1.5 GB fp32) and (b)
-20,000 small tensors.  Each method stages each input ``--runs`` times from a fresh instance
-(first stage: buffers are allocated and page-faulted), then ``--runs`` times more with the
-last instance (steady state), releasing the previous staged copy before each stage.  The
-methods take turns, so every astage run has a ceiling and a torch run made seconds apart
-and the ratios quoted are medians of those pairs: on these shared machines memory
-bandwidth swings several-fold over tens of seconds, so absolute times mean little.  A
-heartbeat task in the same event loop measures the loop's lag during every stage.  Peak
-RSS is measured afterwards, each method in a fresh subprocess, so the growth is its own.
+Four inputs: (a) a GPT-2-small-shaped checkpoint with Adam state (~1.5 GB fp32), (b)
+20,000 small tensors (~11 MB), (c) a mixture-of-experts checkpoint, 20,160 tensors of 32 KiB
+(0.66 GB), and (d) a LoRA fine-tuning checkpoint whose adapters and their Adam state (5% of
+the bytes) are written by a "training step" before every stage.  On (d) a stager made with
+``StagingOptions(skip_unchanged=True)`` is timed too, where astage has that option.
+
+Each method stages each input ``--runs`` times from a fresh instance (first stage: buffers
+are allocated and page-faulted), then ``--runs`` times more with the last instance (steady
+state), releasing the previous staged copy before each stage.  The methods take turns, so
+every astage run has a ceiling and a torch run made seconds apart and the ratios quoted are
+medians of those pairs: on these shared machines memory bandwidth swings several-fold over
+tens of seconds, so absolute times mean little.  A heartbeat task in the same event loop
+measures the loop's lag during every stage.  Peak RSS is measured afterwards, each method
+in a fresh subprocess, so the growth is its own.  Last, ``Checkpointer.save`` of the 20,000
+small tensors: how long the caller is blocked, against the ceiling's copy of the same
+tensors, timed in turn with it.
 
     python -m benchmarks.bench_staging [--scale S] [--runs N] [--case NAME] [--json PATH] [--quick]
 """
@@ -21,12 +28,14 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint import staging as dcp
@@ -39,25 +48,42 @@ from .common import (
     clock,
     default_scale,
     distinct_storages,
+    environment,
     format_table,
     gpt2_adam_state_dict,
     idle_lag,
     iter_tensors,
+    lora_state_dict,
+    lora_trainable,
     median,
+    moe_adam_state_dict,
     nbytes,
     percentile,
     small_tensors_state_dict,
+    train_step,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[__spec__.name.count(".")]
+"""Where this package is imported from: a checkout, or site-packages (``astage._bench``)."""
 CASES: dict[str, Callable[[float], Any]] = {
     "gpt2-adam": gpt2_adam_state_dict,
     "small-20k": small_tensors_state_dict,
+    "moe-20k": moe_adam_state_dict,
+    "lora": lora_state_dict,
 }
-STEADY_BOUND = {"gpt2-adam": 1.15, "small-20k": 1.5}
+SAVE_CASE = "checkpointer-save"
+"""The ``--case`` name of the ``Checkpointer.save`` measurement (on ``small-20k``'s input)."""
+STEADY_BOUND = {"gpt2-adam": 1.15, "small-20k": 1.5, "moe-20k": 1.5}
 """Largest astage steady-state time allowed, as a multiple of the ceiling's."""
+INCREMENTAL_BOUND = 0.10
+"""Largest ``skip_unchanged`` steady stage of the LoRA input, as a fraction of a full one."""
+SAVE_BOUND = 1.5
+"""Largest time ``Checkpointer.save`` blocks its caller, as a multiple of the ceiling's copy."""
 LAG_P99_MS, LAG_MAX_MS = 2.0, 5.0
-CEILING, TORCH = "ceiling (copy_)", "torch DefaultStager"
+CEILING, TORCH, ASTAGE = "ceiling (copy_)", "torch DefaultStager", "astage"
+INCREMENTAL = "astage skip_unchanged"
+SERIES_METHODS = (ASTAGE, INCREMENTAL, TORCH)
+"""Methods whose lag time series (last first stage, last steady stage) the JSON keeps."""
 HEADERS = ["method", "first s", "first GB/s", "x torch", "steady s", "steady GB/s", "x ceiling"]
 HEADERS += ["peak RSS MB", "lag p99 ms", "lag max ms"]
 
@@ -101,6 +127,8 @@ class Astage:
     """``astage.DefaultStager`` with the CPU options torch's stager is given below."""
 
     note = ""
+    extra: ClassVar[dict[str, Any]] = {}
+    """Options beyond the four torch's stager is given."""
 
     def __init__(self, state_dict: Any) -> None:
         options = astage.StagingOptions(
@@ -108,6 +136,7 @@ class Astage:
             use_shared_memory=False,
             use_async_staging=True,
             use_non_blocking_copy=False,
+            **self.extra,
         )
         self._stager = astage.DefaultStager(options)
 
@@ -119,6 +148,20 @@ class Astage:
 
     async def aclose(self) -> None:
         await self._stager.aclose()
+
+
+class AstageIncremental(Astage):
+    """:class:`Astage` with ``skip_unchanged=True``: unchanged tensors are not copied again."""
+
+    extra: ClassVar[dict[str, Any]] = {"skip_unchanged": True}
+
+
+def skip_unchanged_available() -> bool:
+    """Whether this astage's ``StagingOptions`` has ``skip_unchanged`` (issue 11)."""
+    return "skip_unchanged" in {f.name for f in dataclasses.fields(astage.StagingOptions)}
+
+
+SKIP_UNAVAILABLE = "n/a (skip_unchanged not available)"
 
 
 class TorchDefault:
@@ -171,10 +214,23 @@ class TorchBlocking:
 
 METHODS: dict[str, Callable[[Any], Method]] = {
     CEILING: Ceiling,
-    "astage": Astage,
+    ASTAGE: Astage,
     TORCH: TorchDefault,
     "torch Blocking": TorchBlocking,
 }
+TOUCH: dict[str, Callable[[Any], None]] = {"lora": lambda sd: train_step(lora_trainable(sd))}
+"""What happens to a case's state_dict before each stage, outside the timing."""
+
+
+def methods_for(case: str) -> tuple[dict[str, Callable[[Any], Method]], dict[str, str]]:
+    """The methods timed on ``case``, and those that would be but this astage lacks (why)."""
+    if case != "lora":
+        return dict(METHODS), {}
+    names = list(METHODS)
+    if not skip_unchanged_available():
+        return dict(METHODS), {INCREMENTAL: SKIP_UNAVAILABLE}
+    with_incremental = [*names[:2], INCREMENTAL, *names[2:]]
+    return {n: METHODS.get(n, AstageIncremental) for n in with_incremental}, {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +242,7 @@ class Timings:
     first_lags: list[float]
     steady_lags: list[float]
     note: str
+    steady_series: list[list[tuple[float, float]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,94 +259,139 @@ class Result:
     steady_runs_s: tuple[float, ...]
     steady_x_ceiling: float
     first_x_torch: float
+    steady_x_astage: float
     peak_rss_bytes: int
     lag_p99_ms: float
     lag_max_ms: float
     steady_lag_p99_ms: float
     steady_lag_max_ms: float
     note: str
+    lag_series: tuple[tuple[float, float], ...]
+    """Heartbeats of the steady stage of median time: (seconds since the stage began, lag ms)."""
 
 
-async def stage_once(method: Method, state_dict: Any) -> tuple[float, list[float]]:
-    """Stage once under a loop-lag probe, then release: the seconds taken and the lag samples."""
+async def stage_once(
+    method: Method, state_dict: Any, touch: Callable[[Any], None] | None = None
+) -> tuple[float, LoopLag]:
+    """``touch`` the input, stage once under a loop-lag probe, release: the seconds and the probe."""
+    if touch is not None:
+        touch(state_dict)
     async with LoopLag() as lag:
         start = clock()
         staged = await method.stage(state_dict)
         elapsed = clock() - start
     await method.release(staged)
-    return elapsed, lag.samples
+    return elapsed, lag
+
+
+def lag_series(elapsed: float, lag: LoopLag) -> dict[str, Any]:
+    """One stage's lag probe as JSON: when each heartbeat woke (s) and how late (ms)."""
+    return {
+        "stage_s": elapsed,
+        "t_s": lag.times,
+        "lag_ms": [x * 1e3 for x in lag.samples],
+    }
 
 
 def _rotated(names: Sequence[str], r: int) -> list[str]:
     return [*names[r % len(names) :], *names[: r % len(names)]]
 
 
-async def time_methods(state_dict: Any, runs: int) -> dict[str, Timings]:
-    """Every method's first-stage and steady-state times and loop lags.
+async def time_methods(
+    state_dict: Any,
+    runs: int,
+    methods: dict[str, Callable[[Any], Method]] | None = None,
+    touch: Callable[[Any], None] | None = None,
+) -> tuple[dict[str, Timings], dict[str, dict[str, Any]]]:
+    """Every method's first-stage and steady-state times and loop lags, and lag series.
 
     Methods take turns, in a rotating order, so that each run of astage is paired with a run
     of every other method made within seconds of it: the host's noise moves them together.
     Each first stage uses a fresh instance; the last instance then stages ``runs`` more times.
+    The series are the last first stage's and last steady stage's of :data:`SERIES_METHODS`.
     """
-    names = list(METHODS)
-    t = {n: Timings([], [], [], [], "") for n in names}
+    methods = methods if methods is not None else METHODS
+    names = list(methods)
+    t = {n: Timings([], [], [], [], "", []) for n in names}
+    series: dict[str, dict[str, Any]] = {n: {} for n in names if n in SERIES_METHODS}
     live: dict[str, Method] = {}
     try:
-        for r in range(runs):
-            for name in _rotated(names, r):
-                if name in live:
-                    await live.pop(name).aclose()
-                live[name] = METHODS[name](state_dict)
-                elapsed, samples = await stage_once(live[name], state_dict)
-                t[name].first.append(elapsed)
-                t[name].first_lags.extend(samples)
-        for r in range(runs):
-            for name in _rotated(names, r):
-                elapsed, samples = await stage_once(live[name], state_dict)
-                t[name].steady.append(elapsed)
-                t[name].steady_lags.extend(samples)
-        return {n: dataclasses.replace(t[n], note=live[n].note) for n in names}
+        for phase in ("first", "steady"):
+            for r in range(runs):
+                for name in _rotated(names, r):
+                    if phase == "first":
+                        if name in live:
+                            await live.pop(name).aclose()
+                        live[name] = methods[name](state_dict)
+                    elapsed, lag = await stage_once(live[name], state_dict, touch)
+                    (t[name].first if phase == "first" else t[name].steady).append(elapsed)
+                    (t[name].first_lags if phase == "first" else t[name].steady_lags).extend(lag.samples)
+                    if phase == "steady":
+                        t[name].steady_series.append(
+                            list(zip(lag.times, [s * 1e3 for s in lag.samples], strict=True))
+                        )
+                    if name in series:
+                        series[name][phase] = lag_series(elapsed, lag)
+        return {n: dataclasses.replace(t[n], note=live[n].note) for n in names}, series
     finally:
         for method in live.values():
             await method.aclose()
+
+
+def _median_run(times: list[float], series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The lag series of the run whose time is the median (the lower middle for an even count)."""
+    if not series:
+        return []
+    order = sorted(range(len(times)), key=times.__getitem__)
+    return series[order[(len(order) - 1) // 2]]
 
 
 def _p99_ms(lags: list[float]) -> float:
     return percentile(lags or [0.0], 99) * 1e3  # no sample: the heartbeat was never overdue
 
 
-async def peak_rss(method: str, state_dict: Any, stages: int = 3) -> int:
+async def peak_rss(case: str, method: str, state_dict: Any, stages: int = 3) -> int:
     """Growth of peak RSS over ``stages`` stages (first, then steady) by a fresh ``method``."""
     rss = PeakRss()
-    m = METHODS[method](state_dict)
+    m = methods_for(case)[0][method](state_dict)
     try:
         for _ in range(stages):
-            await stage_once(m, state_dict)
+            await stage_once(m, state_dict, TOUCH.get(case))
         return rss.growth()
     finally:
         await m.aclose()
 
 
 def _peak_rss_isolated(case: str, method: str, scale: float) -> int:
-    cmd = [sys.executable, "-m", "benchmarks.bench_staging", "--scale", str(scale)]
+    cmd = [sys.executable, "-m", __spec__.name, "--scale", str(scale)]
     done = subprocess.run(
         [*cmd, "--rss-worker", case, method], cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True
     )
     return int(done.stdout.split()[-1])
 
 
-def run_case(case: str, scale: float, runs: int, isolate: bool) -> list[Result]:
+@dataclasses.dataclass(frozen=True)
+class CaseRun:
+    """One case: a result per method, the lag series, and the methods this astage lacks."""
+
+    results: list[Result]
+    series: dict[str, dict[str, Any]]
+    unavailable: dict[str, str]
+
+
+def run_case(case: str, scale: float, runs: int, isolate: bool) -> CaseRun:
     """Time every method on one case, then measure each one's peak RSS (in a fresh process)."""
+    methods, unavailable = methods_for(case)
     state_dict = CASES[case](scale)
     size, count = nbytes(state_dict), sum(1 for _ in iter_tensors(state_dict))
-    timed = asyncio.run(time_methods(state_dict, runs))
+    timed, series = asyncio.run(time_methods(state_dict, runs, methods, TOUCH.get(case)))
     if isolate:
         del state_dict
         gc.collect()
-        rss = {m: _peak_rss_isolated(case, m, scale) for m in METHODS}
+        rss = {m: _peak_rss_isolated(case, m, scale) for m in methods}
     else:
-        rss = {m: asyncio.run(peak_rss(m, state_dict)) for m in METHODS}
-    ceiling, torch_first = timed[CEILING].steady, timed[TORCH].first
+        rss = {m: asyncio.run(peak_rss(case, m, state_dict)) for m in methods}
+    ceiling, torch_first, ours = timed[CEILING].steady, timed[TORCH].first, timed[ASTAGE].steady
     results = []
     for method, t in timed.items():
         lags = t.first_lags + t.steady_lags
@@ -305,20 +407,45 @@ def run_case(case: str, scale: float, runs: int, isolate: bool) -> list[Result]:
                 steady_runs_s=tuple(t.steady),
                 steady_x_ceiling=median([m / c for m, c in zip(t.steady, ceiling, strict=True)]),
                 first_x_torch=median([m / c for m, c in zip(t.first, torch_first, strict=True)]),
+                steady_x_astage=median([m / c for m, c in zip(t.steady, ours, strict=True)]),
                 peak_rss_bytes=rss[method],
                 lag_p99_ms=_p99_ms(lags),
                 lag_max_ms=max(lags, default=0.0) * 1e3,
                 steady_lag_p99_ms=_p99_ms(t.steady_lags),
                 steady_lag_max_ms=max(t.steady_lags, default=0.0) * 1e3,
                 note=t.note,
+                lag_series=tuple(_median_run(t.steady, t.steady_series)),
             )
         )
-    return results
+    return CaseRun(results, series, unavailable)
 
 
-def report(results: Sequence[Result]) -> tuple[str, list[dict[str, Any]]]:
+Target = tuple[str, float | None, float, str]
+"""(what, value or ``None`` where not measurable here, bound, unit); a value passes at or below."""
+
+
+def judge(targets: Sequence[Target], missing: str = "") -> tuple[str, list[dict[str, Any]]]:
+    """The PASS/MISS table of ``targets`` and their JSON; ``missing`` says why a value is ``None``."""
+    checks: list[dict[str, Any]] = []
+    lines = []
+    for name, value, bound, unit in targets:
+        if value is None:
+            checks.append({"target": name, "value": None, "bound": bound, "pass": None, "note": missing})
+            lines.append([name, "n/a", f"<= {bound}{unit}", "n/a"])
+        else:
+            ok = value <= bound
+            checks.append({"target": name, "value": value, "bound": bound, "pass": ok})
+            lines.append([name, f"{value:.2f}{unit}", f"<= {bound}{unit}", "PASS" if ok else "MISS"])
+    return format_table(["target", "value", "bound", ""], lines), checks
+
+
+def report(
+    results: Sequence[Result], unavailable: dict[str, str] | None = None
+) -> tuple[str, list[dict[str, Any]]]:
     """One case's table and its targets (name, value, bound, pass)."""
-    ours = next(r for r in results if r.method == "astage")
+    unavailable = unavailable or {}
+    by_method = {r.method: r for r in results}
+    ours = by_method[ASTAGE]
     rows = [
         [
             r.method,
@@ -334,22 +461,122 @@ def report(results: Sequence[Result]) -> tuple[str, list[dict[str, Any]]]:
         ]
         for r in results
     ]
-    bound = STEADY_BOUND[ours.case]
-    targets = [
-        ("astage steady / ceiling steady", ours.steady_x_ceiling, bound, "x"),
-        ("astage first / torch DefaultStager first", ours.first_x_torch, 1.0, "x"),
-        ("astage loop lag p99", ours.lag_p99_ms, LAG_P99_MS, " ms"),
-        ("astage loop lag max", ours.lag_max_ms, LAG_MAX_MS, " ms"),
-    ]
-    checks = [{"target": n, "value": v, "bound": b, "pass": v <= b} for n, v, b, _ in targets]
-    lines = [
-        [n, f"{v:.2f}{unit}", f"<= {b}{unit}", "PASS" if v <= b else "MISS"] for n, v, b, unit in targets
-    ]
+    rows += [[method, *["n/a"] * (len(HEADERS) - 1)] for method in unavailable]
+    targets: list[Target] = []
+    if ours.case in STEADY_BOUND:
+        bound = STEADY_BOUND[ours.case]
+        targets.append(("astage steady / ceiling steady", ours.steady_x_ceiling, bound, "x"))
+    targets.append(("astage first / torch DefaultStager first", ours.first_x_torch, 1.0, "x"))
+    if ours.case == "lora":
+        incremental = by_method.get(INCREMENTAL)
+        targets.append(
+            (
+                "astage skip_unchanged steady / astage steady",
+                incremental.steady_x_astage if incremental else None,
+                INCREMENTAL_BOUND,
+                "x",
+            )
+        )
+    for r in (ours, by_method.get(INCREMENTAL)):
+        if r is not None:
+            targets += [
+                (f"{r.method} loop lag p99", r.lag_p99_ms, LAG_P99_MS, " ms"),
+                (f"{r.method} loop lag max", r.lag_max_ms, LAG_MAX_MS, " ms"),
+            ]
+    judged, checks = judge(targets, unavailable.get(INCREMENTAL, ""))
     notes = [f"  note, {r.method}: {r.note}" for r in results if r.note]
+    notes += [f"  note, {method}: {why}" for method, why in unavailable.items()]
     title = f"({ours.case}) {ours.bytes / 1e6:.1f} MB in {ours.tensors} tensors"
+    if ours.case in TOUCH:
+        title += "; its trainable tensors are written before every stage"
     table = format_table(HEADERS, rows)
-    text = "\n".join([title, table, *notes, "", format_table(["target", "value", "bound", ""], lines)])
-    return text, checks
+    return "\n".join([title, table, *notes, "", judged]), checks
+
+
+# -- Checkpointer.save ----------------------------------------------------------------------
+
+
+async def time_save(state_dict: Any, runs: int, directory: Path) -> dict[str, Any]:
+    """How long ``Checkpointer.save`` blocks its caller, in turns with the ceiling's copy.
+
+    Round 0 is the first save (a fresh Checkpointer and stager) and the ceiling's first copy;
+    ``runs`` more rounds follow.  Each save's commit is awaited outside the timing, so no
+    save waits behind an earlier one (``max_in_flight``): what is timed is the staging.
+    """
+    ceiling = Ceiling(state_dict)
+    blocked: list[float] = []
+    reported: list[float] = []
+    copies: list[float] = []
+    lags: list[float] = []
+    series: dict[str, Any] = {}
+    async with astage.Checkpointer(directory, keep=1) as ckpt:
+        for r in range(runs + 1):
+            for name in _rotated(["save", CEILING], r):
+                if name == CEILING:
+                    copies.append((await stage_once(ceiling, state_dict))[0])
+                    continue
+                async with LoopLag() as lag:
+                    start = clock()
+                    handle = await ckpt.save(r, state_dict)
+                    elapsed = clock() - start
+                await handle.wait()
+                blocked.append(elapsed)
+                reported.append(handle.staging_seconds)
+                lags.extend(lag.samples)
+                series["first" if r == 0 else "steady"] = lag_series(elapsed, lag)
+    await ceiling.aclose()
+    steady = blocked[1:]
+    return {
+        "case": SAVE_CASE,
+        "input": "small-20k",
+        "bytes": nbytes(state_dict),
+        "tensors": sum(1 for _ in iter_tensors(state_dict)),
+        "first_s": blocked[0],
+        "steady_s": median(steady),
+        "blocked_runs_s": blocked,
+        "staging_seconds_runs": reported,
+        "ceiling_runs_s": copies,
+        "ceiling_steady_s": median(copies[1:]),
+        "steady_x_ceiling": median([b / c for b, c in zip(steady, copies[1:], strict=True)]),
+        "lag_p99_ms": _p99_ms(lags),
+        "lag_max_ms": max(lags, default=0.0) * 1e3,
+        "lag_series": series,
+    }
+
+
+def run_save(scale: float, runs: int, parent: Path | None) -> dict[str, Any]:
+    """:func:`time_save` on the ``small-20k`` input, in a temporary directory."""
+    root = Path(tempfile.mkdtemp(prefix="astage-bench-save-", dir=parent))
+    try:
+        return asyncio.run(time_save(small_tensors_state_dict(scale), runs, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report_save(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """The ``Checkpointer.save`` table and its targets."""
+    rows = [
+        [
+            "Checkpointer.save (caller blocked)",
+            f"{result['first_s']:.4f}",
+            f"{result['steady_s']:.4f}",
+            f"{result['steady_x_ceiling']:.2f}",
+            f"{result['lag_p99_ms']:.2f}",
+            f"{result['lag_max_ms']:.2f}",
+        ],
+        [CEILING, f"{result['ceiling_runs_s'][0]:.4f}", f"{result['ceiling_steady_s']:.4f}", "1.00", "", ""],
+    ]
+    headers = ["method", "first s", "steady s", "x ceiling", "lag p99 ms", "lag max ms"]
+    judged, checks = judge(
+        [
+            ("save blocked steady / ceiling steady", result["steady_x_ceiling"], SAVE_BOUND, "x"),
+            ("save loop lag p99", result["lag_p99_ms"], LAG_P99_MS, " ms"),
+            ("save loop lag max", result["lag_max_ms"], LAG_MAX_MS, " ms"),
+        ]
+    )
+    size = f"{result['bytes'] / 1e6:.1f} MB in {result['tensors']} tensors"
+    title = f"({SAVE_CASE}) Checkpointer.save of {size}"
+    return "\n".join([title, format_table(headers, rows), "", judged]), checks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -364,8 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--runs", type=int, default=None, help="first stages, and steady stages, per method (5)"
     )
     parser.add_argument(
-        "--case", choices=list(CASES), action="append", help="run only this case (repeatable)"
+        "--case", choices=[*CASES, SAVE_CASE], action="append", help="run only this case (repeatable)"
     )
+    parser.add_argument("--dir", type=Path, default=None, help="where the Checkpointer writes (a temp dir)")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--quick", action="store_true", help="smoke test: scale 0.01, 2 runs, one process")
     parser.add_argument("--rss-worker", nargs=2, metavar=("CASE", "METHOD"), help=argparse.SUPPRESS)
@@ -375,21 +603,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.rss_worker:
         case, method = args.rss_worker
-        print(asyncio.run(peak_rss(method, CASES[case](scale))))
+        print(asyncio.run(peak_rss(case, method, CASES[case](scale))))
         return 0
 
     idle = asyncio.run(idle_lag())
+    idle_p99, idle_max = percentile(idle, 99) * 1e3, max(idle) * 1e3
     print(
         f"astage {astage.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs; scale {scale}; "
-        f"medians of {runs} runs; idle loop lag p99 {percentile(idle, 99) * 1e3:.2f} ms, "
-        f"max {max(idle) * 1e3:.2f} ms\n"
+        f"medians of {runs} runs; idle loop lag p99 {idle_p99:.2f} ms, max {idle_max:.2f} ms\n"
     )
-    payload: dict[str, Any] = {"scale": scale, "runs": runs, "results": [], "targets": {}}
-    for case in args.case or CASES:
-        results = run_case(case, scale, runs, isolate=not args.quick)
-        text, checks = report(results)
+    payload: dict[str, Any] = {
+        "scale": scale,
+        "environment": environment(),
+        "runs": runs,
+        "results": [],
+        "targets": {},
+        "idle_lag_ms": {"p99": idle_p99, "max": idle_max},
+        "lag_series": {},
+        "unavailable": {},
+    }
+    for case in args.case or [*CASES, SAVE_CASE]:
+        if case == SAVE_CASE:
+            saved = run_save(scale, runs, args.dir)
+            text, checks = report_save(saved)
+            payload["checkpointer"] = {k: v for k, v in saved.items() if k != "lag_series"}
+            payload["lag_series"][case] = {"Checkpointer.save": saved["lag_series"]}
+        else:
+            run = run_case(case, scale, runs, isolate=not args.quick)
+            text, checks = report(run.results, run.unavailable)
+            payload["results"] += [dataclasses.asdict(r) for r in run.results]
+            payload["lag_series"][case] = run.series
+            payload["unavailable"][case] = run.unavailable
         print(text, end="\n\n", flush=True)
-        payload["results"] += [dataclasses.asdict(r) for r in results]
         payload["targets"][case] = checks
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

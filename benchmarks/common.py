@@ -10,8 +10,10 @@ peak RSS over a baseline, so that building the inputs does not count against a m
 from __future__ import annotations
 
 import asyncio
+import datetime
 import math
 import os
+import platform
 import re
 import resource
 import statistics
@@ -96,6 +98,76 @@ def small_tensors_state_dict(scale: float = 1.0, count: int = 20_000) -> dict[st
     return tree
 
 
+MOE_EXPERTS, MOE_LAYERS, MOE_DIM, MOE_HIDDEN = 64, 35, 64, 128
+"""At ``scale=1``: 64 experts x 35 layers x 3 weights (64x128) x (weight + 2 Adam states)."""
+
+
+def moe_adam_state_dict(scale: float = 1.0) -> dict[str, Any]:
+    """A mixture-of-experts checkpoint: experts x layers x 3 fp32 weights, each with Adam state.
+
+    Each (layer, expert) holds ``w1``/``w3`` (dim x hidden) and ``w2`` (hidden x dim), and the
+    optimizer an ``exp_avg`` and ``exp_avg_sq`` per weight: 9 tensors of 32 KiB.  At
+    ``scale=1`` that is 64 x 35 pairs, 20,160 tensors, 0.66 GB; ``scale`` shrinks the number
+    of pairs (at least one), so the per-tensor size, and the per-tensor cost it exposes, stay.
+    """
+    pairs = max(1, round(MOE_EXPERTS * MOE_LAYERS * scale))
+    shapes = {"w1": (MOE_DIM, MOE_HIDDEN), "w2": (MOE_HIDDEN, MOE_DIM), "w3": (MOE_DIM, MOE_HIDDEN)}
+    model: dict[str, torch.Tensor] = {}
+    for i in range(pairs):
+        layer, expert = divmod(i, MOE_EXPERTS)
+        for w, shape in shapes.items():
+            model[f"layers.{layer}.moe.experts.{expert}.{w}"] = _filled(*shape, value=0.01)
+    state = {
+        i: {"exp_avg": _filled(*t.shape, value=1e-3), "exp_avg_sq": _filled(*t.shape, value=1e-6)}
+        for i, t in enumerate(model.values())
+    }
+    return {"model": model, "optim": {"state": state, "param_groups": [{"lr": 1e-4, "params": list(state)}]}}
+
+
+LORA_FROZEN_FRACTION = 0.95
+"""Share of a LoRA checkpoint's bytes in frozen base weights."""
+
+
+def lora_state_dict(scale: float = 1.0) -> dict[str, Any]:
+    """A LoRA fine-tuning checkpoint: frozen GPT-2-small weights, trainable adapters with Adam state.
+
+    Every 2-D block weight (in x out) gets ``lora_A`` (in x r) and ``lora_B`` (r x out), each
+    with ``exp_avg``/``exp_avg_sq``; the rank ``r`` is chosen so that the adapters and their
+    optimizer state are :data:`LORA_FROZEN_FRACTION`'s complement (5%) of the bytes.  The
+    base weights have no optimizer state (frozen).  :func:`lora_trainable` names what a
+    training step changes.  ~0.52 GB at ``scale=1``.
+    """
+    base = gpt2_adam_state_dict(scale)["model"]
+    targets = {k: t for k, t in base.items() if k.startswith("transformer.h.") and t.dim() == 2}
+    frozen = sum(t.untyped_storage().nbytes() for t in distinct_storages(base))
+    per_rank = 3 * 4 * sum(t.shape[0] + t.shape[1] for t in targets.values())  # A+B, 2 Adam states
+    r = max(1, round(frozen * (1 - LORA_FROZEN_FRACTION) / LORA_FROZEN_FRACTION / per_rank))
+    adapters: dict[str, torch.Tensor] = {}
+    for k, t in targets.items():
+        stem = k.removesuffix(".weight")
+        adapters[stem + ".lora_A"] = _filled(t.shape[0], r, value=0.01)
+        adapters[stem + ".lora_B"] = _filled(r, t.shape[1], value=0.0)
+    state = {
+        i: {"exp_avg": _filled(*t.shape, value=1e-3), "exp_avg_sq": _filled(*t.shape, value=1e-6)}
+        for i, t in enumerate(adapters.values())
+    }
+    group = {"lr": 1e-4, "params": list(state)}
+    return {"model": base | adapters, "optim": {"state": state, "param_groups": [group]}}
+
+
+def lora_trainable(tree: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a :func:`lora_state_dict` that a training step writes: adapters, Adam state."""
+    adapters = [t for k, t in tree["model"].items() if ".lora_" in k]
+    return adapters + [t for s in tree["optim"]["state"].values() for t in s.values()]
+
+
+def train_step(tensors: Sequence[torch.Tensor]) -> None:
+    """Write every tensor in place, as an optimizer step does (bumps each ``_version``)."""
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(1e-3)
+
+
 def iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
     """Every tensor leaf of nested dicts, lists and tuples, in order (repeats included)."""
     if isinstance(tree, torch.Tensor):
@@ -145,13 +217,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 class LoopLag:
     """Measure event-loop lag while the block runs: a heartbeat task sleeping ``period``.
 
-    Each wake-up records ``actual - expected`` in seconds in :attr:`samples`; a heartbeat
-    still overdue when the block ends (the loop was blocked until then) records its lag too.
+    Each wake-up records ``actual - expected`` in seconds in :attr:`samples`, and when it
+    happened (seconds since the block began) in :attr:`times`; a heartbeat still overdue
+    when the block ends (the loop was blocked until then) records its lag too.
     """
 
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.samples: list[float] = []
+        self.times: list[float] = []
+        self._start = clock()
         self._expected: float | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -159,10 +234,17 @@ class LoopLag:
         while True:
             self._expected = clock() + self.period
             await asyncio.sleep(self.period)
-            self.samples.append(clock() - self._expected)
+            self._record()
             self._expected = None
 
+    def _record(self) -> None:
+        assert self._expected is not None
+        now = clock()
+        self.samples.append(now - self._expected)
+        self.times.append(now - self._start)
+
     async def __aenter__(self) -> Self:
+        self._start = clock()
         self._task = asyncio.create_task(self._beat())
         await asyncio.sleep(0)  # let the heartbeat start before the measured work
         return self
@@ -171,7 +253,7 @@ class LoopLag:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._expected is not None and clock() > self._expected:
-            self.samples.append(clock() - self._expected)
+            self._record()
         assert self._task is not None
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
@@ -182,6 +264,22 @@ async def idle_lag(seconds: float = 0.3) -> list[float]:
     async with LoopLag() as lag:
         await asyncio.sleep(seconds)
     return lag.samples
+
+
+def environment() -> dict[str, Any]:
+    """What a result was measured on: versions, CPU count, platform and date (for the JSON)."""
+    import astage
+
+    return {
+        "astage": astage.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "accelerator": str(torch.accelerator.current_accelerator() or "none"),
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 # -- memory -------------------------------------------------------------------------------

@@ -2,32 +2,26 @@
 
 ``await stager.stage(sd)`` returns a CPU copy that later training steps cannot change;
 meanwhile the event loop keeps serving other tasks (here: a heartbeat that reports how
-long it was kept waiting).  Run: ``python examples/async_training_loop.py [--steps N]``.
+late it woke up while ``stage()`` ran; the training steps themselves hold the loop and are
+not counted).  Run: ``python examples/async_training_loop.py [--steps N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 
 import torch
+from _lag import SaveLag
 
 import astage
-
-
-async def heartbeat(lags: list[float]) -> None:
-    while True:
-        start = time.perf_counter()
-        await asyncio.sleep(0.001)
-        lags.append(time.perf_counter() - start - 0.001)
 
 
 async def train(steps: int, every: int) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512))
     opt = torch.optim.AdamW(model.parameters())
-    lags: list[float] = []
-    beat = asyncio.create_task(heartbeat(lags))
+    lag = SaveLag()
+    beat = asyncio.create_task(lag.run())
     async with astage.DefaultStager() as stager:
         for step in range(1, steps + 1):
             x = torch.randn(32, 512)
@@ -36,7 +30,8 @@ async def train(steps: int, every: int) -> None:
             loss.backward()
             opt.step()
             if step % every == 0:
-                staged = await stager.stage({"model": model.state_dict(), "optim": opt.state_dict()})
+                with lag.measuring():
+                    staged = await stager.stage({"model": model.state_dict(), "optim": opt.state_dict()})
                 stats = stager.last_stats
                 assert stats is not None
                 print(
@@ -47,7 +42,7 @@ async def train(steps: int, every: int) -> None:
                 await stager.release(staged)
             await asyncio.sleep(0)  # a real trainer awaits data loading here
     beat.cancel()
-    print(f"heartbeat lag: max {max(lags) * 1e3:.2f} ms over {len(lags)} beats")
+    print(lag.summary("stage()"))
 
 
 def main() -> None:

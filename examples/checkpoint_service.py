@@ -1,8 +1,8 @@
 """A trainer and its control endpoint in one event loop, checkpointing through astage.
 
-The trainer runs a small model on synthetic data.  A tiny HTTP/1.1 server on 127.0.0.1
-(the same event loop, plain anyio streams, no framework) lets an orchestrator steer it
-without stopping training::
+The trainer runs a small model on synthetic data.  An ASGI app (Starlette), served on
+127.0.0.1 by hypercorn in the trainer's own event loop (asyncio or trio), lets an
+orchestrator steer it without stopping training::
 
     POST /checkpoint         save at the next step boundary; replies once the state is staged
     POST /checkpoint?wait=1  ... and once that checkpoint is committed (with its stats)
@@ -10,45 +10,45 @@ without stopping training::
     GET  /checkpoints        the committed steps
     POST /shutdown           stop after the current step, finish in-flight saves, exit 0
 
+Every reply is JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status.
+
 Run: ``python examples/checkpoint_service.py [--steps N] [--every K] [--directory D]
-[--port P]``.  It prints ``listening on http://127.0.0.1:PORT`` once it serves; started
-again with the same ``--directory``, it resumes from the latest checkpoint.
+[--port P] [--backend asyncio|trio]`` (needs ``pip install "astage[service]"``, and
+``astage[trio]`` for trio).  It prints ``listening on http://127.0.0.1:PORT`` once it
+serves; started again with the same ``--directory``, it resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import logging
 import math
+import socket
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import anyio
-import anyio.abc
+import sniffio
 import torch
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 import astage
 
-log = logging.getLogger("checkpoint_service")
+try:
+    from hypercorn.config import Config
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+except ImportError as exc:  # the example's own dependencies, not astage's
+    sys.exit(f"error: this example needs {exc.name}: pip install 'astage[service]'")
 
-REQUEST_HEAD_CAP = 16 << 10
-REQUEST_BODY_CAP = 64 << 10
-CLIENT_TIMEOUT = 10.0
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
+log = logging.getLogger("checkpoint_service")
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,112 +149,83 @@ class Trainer:
         }
 
 
-# -- the control endpoint ---------------------------------------------------------------
+# -- the control endpoint: an ASGI app ---------------------------------------------------
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+def create_app(trainer: Trainer) -> Starlette:
+    """The control endpoint's routes, bound to ``trainer``; errors become JSON replies."""
 
+    async def status(request: Request) -> Response:
+        return JSONResponse(trainer.status())
 
-async def read_request(stream: anyio.abc.ByteStream) -> tuple[str, str, dict[str, list[str]]]:
-    """Method, path and query of one HTTP/1.x request (its body is read and ignored)."""
-    buffered = BufferedByteReceiveStream(stream)
-    try:
-        head = await buffered.receive_until(b"\r\n\r\n", REQUEST_HEAD_CAP)
-    except anyio.DelimiterNotFound as exc:
-        raise HttpError(400, "request head too large") from exc
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise HttpError(400, "malformed request line")
-    method, target, _ = parts
-    length = 0
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise HttpError(400, "malformed header")
-        if name.strip().lower() == "content-length":
-            if not value.strip().isdigit() or int(value) > REQUEST_BODY_CAP:
-                raise HttpError(400, "bad content-length")
-            length = int(value)
-    if length:
-        await buffered.receive_exactly(length)
-    url = urlsplit(target)
-    return method, url.path, parse_qs(url.query)
+    async def checkpoints(request: Request) -> Response:
+        return JSONResponse({"steps": trainer.ckpt.steps(), "latest": trainer.ckpt.latest()})
 
+    async def shutdown(request: Request) -> Response:
+        # The trainer stops once the reply is out (a background task runs after sending).
+        body = {"shutdown": True, "step": trainer.step}
+        return JSONResponse(body, background=BackgroundTask(trainer.stop.set))
 
-ROUTES = {"/checkpoint": "POST", "/status": "GET", "/checkpoints": "GET", "/shutdown": "POST"}
-"""Each endpoint and the one method it takes."""
-
-
-class ControlEndpoint:
-    """Routes requests to the trainer; one request per connection."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    async def handle(self, stream: anyio.abc.ByteStream) -> None:
-        """Serve one connection; never raises (a failing handler must not stop the service)."""
-        async with stream:
-            shutdown = False
-            try:
-                with anyio.fail_after(CLIENT_TIMEOUT):
-                    method, path, query = await read_request(stream)
-                status, body = await self.route(method, path, query)
-                shutdown = path == "/shutdown"
-            except HttpError as exc:
-                status, body = exc.status, {"error": str(exc)}
-            except (TimeoutError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                return
-            except Exception as exc:
-                log.exception("request failed")
-                status, body = 500, {"error": str(exc)}
-            payload = json.dumps(body).encode()
-            head = (
-                f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-            )
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await stream.send(head.encode("latin-1") + payload)
-            if shutdown:
-                self.trainer.stop.set()  # after the reply is out
-
-    async def route(self, method: str, path: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
-        if path not in ROUTES:
-            raise HttpError(404, f"no such endpoint: {path}")
-        if method != ROUTES[path]:
-            raise HttpError(405, f"{path} takes {ROUTES[path]}")
-        trainer = self.trainer
-        if path == "/status":
-            return 200, trainer.status()
-        if path == "/checkpoints":
-            return 200, {"steps": trainer.ckpt.steps(), "latest": trainer.ckpt.latest()}
-        if path == "/shutdown":
-            return 200, {"shutdown": True, "step": trainer.step}
-        return await self.checkpoint_now(wait="1" in query.get("wait", []))
-
-    async def checkpoint_now(self, *, wait: bool) -> tuple[int, dict[str, Any]]:
-        trainer = self.trainer
+    async def checkpoint(request: Request) -> Response:
         if not trainer.running:
-            raise HttpError(503, "the trainer is not running")
-        request = CheckpointRequest()
-        trainer.pending.append(request)
-        await request.done.wait()
-        if request.handle is None:
-            raise HttpError(503 if request.error == "the trainer has stopped" else 500, request.error or "")
-        reply: dict[str, Any] = {
-            "step": request.handle.step,
-            "staged_seconds": request.handle.staging_seconds,
-        }
-        if wait:
+            raise HTTPException(503, "the trainer is not running")
+        wanted = CheckpointRequest()
+        trainer.pending.append(wanted)
+        await wanted.done.wait()
+        if wanted.handle is None:
+            stopped = wanted.error == "the trainer has stopped"
+            raise HTTPException(503 if stopped else 500, wanted.error or "")
+        reply: dict[str, Any] = {"step": wanted.handle.step, "staged_seconds": wanted.handle.staging_seconds}
+        if request.query_params.get("wait") == "1":
             try:
-                stats = await request.handle.wait()
+                stats = await wanted.handle.wait()
             except astage.AstageError as exc:
-                raise HttpError(500, str(exc)) from exc
+                raise HTTPException(500, str(exc)) from exc
             reply.update(committed=True, stats={**dataclasses.asdict(stats), "gbps": stats.gbps})
-        return 200, reply
+        return JSONResponse(reply)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return JSONResponse({"error": str(exc)}, status_code=500)
+
+    routes = [
+        Route("/checkpoint", checkpoint, methods=["POST"]),
+        Route("/status", status, methods=["GET"]),
+        Route("/checkpoints", checkpoints, methods=["GET"]),
+        Route("/shutdown", shutdown, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+def listen(port: int) -> socket.socket:
+    """A listening socket on 127.0.0.1 (port 0: any free one), opened before serving starts.
+
+    Opening it here lets the service print its port before hypercorn runs; connections made
+    meanwhile wait in the backlog.
+    """
+    sock = socket.create_server(("127.0.0.1", port))
+    return sock
+
+
+async def serve_http(app: Starlette, sock: socket.socket, stop: Callable[[], Awaitable[Any]]) -> None:
+    """Serve ``app`` on ``sock`` in this event loop until ``stop()`` returns, then drain.
+
+    hypercorn has one ``serve`` per event loop library; the one of the running loop is used.
+    Requests still open when ``stop()`` returns get up to ``graceful_timeout`` to finish.
+    """
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]  # hypercorn takes the socket over and closes it
+    config.loglevel = "WARNING"
+    config.graceful_timeout = 10.0
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve
+    else:
+        from hypercorn.asyncio import serve
+    await serve(app, config, shutdown_trigger=stop)
 
 
 # -- main -------------------------------------------------------------------------------
@@ -280,21 +251,21 @@ async def serve(args: argparse.Namespace) -> int:
     async with astage.Checkpointer(directory, keep=args.keep, on_progress=report) as ckpt:
         trainer = Trainer(ckpt, steps=args.steps, every=args.every, step_seconds=args.step_seconds)
         await trainer.resume()
-        endpoint = ControlEndpoint(trainer)
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=args.port)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        # Connections outlive accepting: open requests get their answer before the exit.
-        async with anyio.create_task_group() as connections, listener, anyio.create_task_group() as accepting:
-            accepting.start_soon(listener.serve, endpoint.handle, connections)
+        sock = listen(args.port)
+        port = sock.getsockname()[1]
+        drained = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_http, create_app(trainer), sock, drained.wait)
             print(f"checkpoints in {directory}", flush=True)
             print(f"listening on http://127.0.0.1:{port}", flush=True)
-            await trainer.run()
             try:
-                await ckpt.wait()  # requests waiting for a commit get it
+                await trainer.run()
+                await ckpt.wait()  # requests waiting for a commit get it before the server stops
             except astage.AstageError as exc:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 failed = True
-            accepting.cancel_scope.cancel()
+            finally:
+                drained.set()
         print(f"stopped at step {trainer.step}; committed checkpoints: {ckpt.steps()}", flush=True)
     return 1 if failed else 0
 
@@ -309,10 +280,21 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help="control port on 127.0.0.1 (default: any free)")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     parser.add_argument("--step-seconds", type=float, default=0.01, help="simulated data wait per step")
+    parser.add_argument(
+        "--backend",
+        choices=["asyncio", "trio"],
+        default="asyncio",
+        help="event loop library (default asyncio)",
+    )
     args = parser.parse_args()
+    if args.backend == "trio":
+        try:
+            import trio  # noqa: F401  (anyio would only say "Backend 'trio' is not available")
+        except ImportError:
+            sys.exit("error: --backend trio needs trio: pip install 'astage[trio]'")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        sys.exit(anyio.run(serve, args))
+        sys.exit(anyio.run(serve, args, backend=args.backend))
     except astage.AstageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

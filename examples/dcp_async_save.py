@@ -3,8 +3,9 @@
 Every few steps ``await astage.dcp.async_save(...)`` returns as soon as the state is staged
 (the next step may change the weights at once), while DCP writes the staged copy in a
 thread; the event loop keeps serving other tasks meanwhile (here: a heartbeat that reports
-how long it was kept waiting).  At the end the last checkpoint is loaded back into a fresh
-model and optimizer with ``torch.distributed.checkpoint.load`` and compared.
+how late it woke up while ``async_save`` staged; the training steps are not counted).  At
+the end the last checkpoint is loaded back into a fresh model and optimizer with
+``torch.distributed.checkpoint.load`` and compared.
 
 Run: ``python examples/dcp_async_save.py [--steps N] [--every K] [--directory DIR]``, or on
 several ranks with ``torchrun --nproc-per-node 2 examples/dcp_async_save.py --directory DIR``.
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _lag import SaveLag
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import astage
@@ -41,13 +43,6 @@ def checkpoint_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: i
     return {"model": model_sd, "optim": optim_sd, "meta": {"step": step}}
 
 
-async def heartbeat(lags: list[float]) -> None:
-    while True:
-        start = time.perf_counter()
-        await asyncio.sleep(0.001)
-        lags.append(time.perf_counter() - start - 0.001)
-
-
 def say(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message)
@@ -61,8 +56,8 @@ async def uploaded(handle: astage.dcp.AsyncSaveHandle, step: int, started: float
 async def train(steps: int, every: int, directory: Path) -> None:
     torch.manual_seed(0)  # every rank trains the same replica, as data-parallel ranks do
     model, opt = make_model()
-    lags: list[float] = []
-    beat = asyncio.create_task(heartbeat(lags))
+    lag = SaveLag()
+    beat = asyncio.create_task(lag.run())
     last: Path | None = None
     pending: tuple[astage.dcp.AsyncSaveHandle, int, float] | None = None
     async with astage.DefaultStager() as stager:  # one stager: its buffers serve every save
@@ -77,16 +72,17 @@ async def train(steps: int, every: int, directory: Path) -> None:
                     await uploaded(*pending)
                 last = directory / f"step-{step:06d}"
                 started = time.perf_counter()
-                handle = await astage.dcp.async_save(
-                    checkpoint_state(model, opt, step), checkpoint_id=last, stager=stager
-                )
+                with lag.measuring():
+                    handle = await astage.dcp.async_save(
+                        checkpoint_state(model, opt, step), checkpoint_id=last, stager=stager
+                    )
                 say(f"step {step}: staged in {handle.staging_seconds * 1e3:.1f} ms, training goes on")
                 pending = (handle, step, started)
             await asyncio.sleep(0)  # a real trainer awaits data loading here
         if pending is not None:
             await uploaded(*pending)
     beat.cancel()
-    say(f"heartbeat lag: max {max(lags, default=0.0) * 1e3:.2f} ms over {len(lags)} beats")
+    say(lag.summary("async_save()"))
     assert last is not None
     await asyncio.to_thread(check_restore, model, opt, last, steps)
 

@@ -1,10 +1,12 @@
-"""examples/checkpoint_service.py driven over loopback: a real process, real sockets, real files."""
+"""examples/checkpoint_service.py driven over loopback: a real process, real sockets, real files.
+
+The service is an ASGI app served by hypercorn in the trainer's event loop; it is driven
+here with httpx, plus raw bytes where the HTTP stack itself is under test.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import os
 import select
 import socket
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
+import pytest
 
 import astage
 
@@ -30,15 +34,12 @@ class Service:
         self.proc = proc
         self.port = port
         self.output = output
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=15)
 
-    def request(self, method: str, path: str) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=15)
-        try:
-            conn.request(method, path)
-            response = conn.getresponse()
-            return response.status, json.loads(response.read())
-        finally:
-            conn.close()
+    def request(self, method: str, path: str, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        response = self.client.request(method, path, **kwargs)
+        assert response.headers["content-type"] == "application/json"
+        return response.status_code, response.json()
 
     def raw(self, data: bytes) -> bytes:
         with socket.create_connection(("127.0.0.1", self.port), timeout=15) as sock:
@@ -49,6 +50,7 @@ class Service:
         return b"".join(chunks)
 
     def finish(self, timeout: float = 20) -> tuple[int, str, str]:
+        self.client.close()
         out, err = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, (self.output + out).decode(), err.decode()
 
@@ -74,7 +76,9 @@ def service(directory: Path, *args: str) -> Iterator[Service]:
             assert chunk or proc.poll() is None, f"the service exited: {output!r}"
             output += chunk
         port = int(output.split(b"listening on http://127.0.0.1:")[1].split(b"\n")[0])
-        yield Service(proc, port, output)
+        svc = Service(proc, port, output)
+        with svc.client:
+            yield svc
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -119,8 +123,8 @@ def test_an_orchestrator_checkpoints_inspects_stops_and_resumes_the_service(tmp_
         assert body["last_save"]["step"] == second
         assert body["last_error"] is None
 
-        assert svc.request("GET", "/nowhere")[0] == 404
-        assert svc.request("GET", "/checkpoint")[0] == 405
+        assert svc.request("GET", "/nowhere") == (404, {"error": "Not Found"})
+        assert svc.request("GET", "/checkpoint") == (405, {"error": "Method Not Allowed"})
         assert svc.raw(b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
 
         status, body = svc.request("POST", "/shutdown")
@@ -142,3 +146,44 @@ def test_an_orchestrator_checkpoints_inspects_stops_and_resumes_the_service(tmp_
     assert steps_on_disk == [end - end % 4 - 4, end - end % 4]
     assert state["step"] == end - end % 4
     assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_service_speaks_http_1_1_on_either_event_loop(tmp_path: Path, backend: str) -> None:
+    """Keep-alive, pipelining and chunked bodies work: a real HTTP stack, not a hand parser."""
+    with service(
+        tmp_path, "--steps", "1000000", "--every", "0", "--step-seconds", "0.002", "--backend", backend
+    ) as svc:
+        # Two pipelined requests on one connection are both answered, in order.
+        status = b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n"
+        last = b"GET /checkpoints HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        replies = svc.raw(status + last)
+        assert replies.count(b"HTTP/1.1 200 ") == 2, replies
+        assert replies.rstrip().endswith(b'{"steps":[],"latest":null}'), replies
+
+        # A chunked request body (Transfer-Encoding) is read and the request still served.
+        status_code, body = svc.request("POST", "/checkpoint?wait=1", content=iter([b"{}", b"\n"]))
+        assert status_code == 200, body
+        assert body["committed"] is True
+
+        # One client, one connection, several requests.
+        for _ in range(3):
+            assert svc.request("GET", "/status")[0] == 200
+        assert svc.request("POST", "/shutdown")[1]["shutdown"] is True
+        code, out, err = svc.finish()
+    assert code == 0, err
+    assert f"committed step {body['step']}" in out
+
+
+def test_the_trio_backend_without_trio_says_what_to_install(tmp_path: Path) -> None:
+    """A missing optional dependency is one line naming the extra, not a LookupError."""
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    (blocker / "trio.py").write_text("raise ImportError('trio is blocked for this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, str(SERVICE), "--backend", "trio", "--directory", str(tmp_path / "d")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "pip install 'astage[trio]'" in done.stderr, done.stderr

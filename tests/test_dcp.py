@@ -471,4 +471,5 @@ def test_dcp_async_save_example(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "restored step-000006: model and optimizer equal" in done.stdout
+    assert "heartbeat lag during async_save() only" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000006"]

@@ -37,7 +37,7 @@ def test_async_training_loop_example() -> None:
     done = run("examples/async_training_loop.py", "--steps", "6", "--every", "3")
     assert done.returncode == 0, done.stderr
     assert "step 6: staged" in done.stdout
-    assert "heartbeat lag" in done.stdout
+    assert "heartbeat lag during stage() only (1 ms beat; training steps excluded)" in done.stdout
 
 
 def test_replication_example_under_torchrun(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_cli_inspect_shows_header_tensors_and_verifies(
     write_small_replica(path)
     code, out, err = cli(["inspect", str(path)], capsys)
     assert code == 0, err
-    assert "owner rank 1, holder rank 0, step 7" in out
+    assert "replica of rank 1's step 7, kept by rank 0" in out
     assert "['row']" in out
     assert "checksums verified" in out
 
