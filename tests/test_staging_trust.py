@@ -477,18 +477,25 @@ async def test_aclose_wakes_a_stage_waiting_for_room_with_closed_error() -> None
 @pytest.mark.anyio
 async def test_a_cancelled_aclose_leaves_the_stager_closed_and_nothing_running() -> None:
     stager = DefaultStager()
-    results: list[Any] = []
+    outcomes: list[Any] = []
+    started = anyio.Event()
 
     async def run() -> None:
-        results.append(await stager.stage({"x": torch.randn(1 << 20)}))
+        started.set()  # stage() counts itself in flight before its first await
+        try:
+            outcomes.append(await stager.stage({"x": torch.randn(1 << 20)}))
+        except ClosedError as exc:  # closed before it had its buffers
+            outcomes.append(exc)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        await anyio.lowlevel.checkpoint()
+        await started.wait()
         with anyio.CancelScope() as scope:
             scope.cancel()
             await stager.aclose()
     assert stager.closed
+    assert len(outcomes) == 1, "the in-flight stage ended on its own"
+    assert stager.pool_stats().leased_bytes == 0
     await stager.aclose()  # idempotent after a cancelled close
     with pytest.raises(ClosedError):
         await stager.stage({"x": torch.ones(1)})
