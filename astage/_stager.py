@@ -378,9 +378,9 @@ class DefaultStager:
             found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
             ours = self._pool.handed_out_storages()
             for path, tensor in found:
-                storage = tensor.untyped_storage()
                 # An empty storage is a tensor released before (or one with no data at all).
-                if storage._cdata not in ours and storage.nbytes():
+                # (No local names the storage: it would keep the buffer from coming back.)
+                if tensor.untyped_storage()._cdata not in ours and tensor.untyped_storage().nbytes():
                     raise UnsupportedInputError(
                         path,
                         f"release() got a tensor that this {type(self).__name__} did not stage "

@@ -666,6 +666,7 @@ async def test_release_refuses_what_this_stager_never_staged() -> None:
         assert err.value.key_path == ("theirs", 0)
         assert torch.equal(staged["a"], torch.ones(3)), "nothing is released when one is foreign"
         await stager.release(staged)
+        assert stager.pool_stats().handed_out_bytes == 0, "every buffer is back at once"
         await stager.release(staged)  # a second release of the same copy is a no-op
         assert staged["a"].numel() == 0
     await stager.release(foreign)  # closed: buffers were let go already, nothing to do
