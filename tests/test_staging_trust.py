@@ -144,6 +144,23 @@ def test_every_pair_of_dtypes_viewing_one_storage_is_staged_as_its_bytes(
         assert got.storage_offset() == src.storage_offset()
 
 
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("inline", [False, True], ids=["threads", "inline"])
+async def test_every_ordered_pair_of_dtypes_at_once(inline: bool) -> None:
+    """Every ordered pair over one storage of all 256 byte values, in one stage."""
+    sd = {}
+    for a in VIEW_DTYPES:
+        for b in VIEW_DTYPES:
+            raw = torch.arange(256, dtype=torch.uint8).roll(len(sd))
+            sd[f"{a}|{b}"] = [raw.view(a), raw.view(b)[1:]]
+    async with DefaultStager(StagingOptions(use_async_staging=not inline)) as stager:
+        staged = await stager.stage(sd)
+    for key, (first, second) in staged.items():
+        assert storage_key(first) == storage_key(second), key
+        assert torch.equal(raw_bytes(first), raw_bytes(sd[key][0])), key
+
+
 # -- item 4: containers changed while stage() yields ---------------------------------------------
 
 
