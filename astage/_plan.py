@@ -256,6 +256,13 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
+def _has_fileno(x: object) -> bool:
+    try:
+        return callable(getattr(x, "fileno", None))
+    except Exception:  # a __getattr__ that fails in its own way: not a file wrapper we know
+        return False
+
+
 def _plain_size(cls: type, slots: list[str]) -> int:
     """The instance size of ``cls`` if all its state were ``__dict__``, ``__slots__`` and
     the weak-reference slot (the check ``pickle`` makes before copying an object)."""
@@ -362,6 +369,11 @@ class _Planner:
         for refused, reason in _REFUSED:
             if isinstance(x, refused):
                 raise UnsupportedInputError(path, f"{cls.__qualname__} cannot be copied: {reason}")
+        if _has_fileno(x):  # file wrappers outside io (tempfile's, mmap, epoll, ...)
+            raise UnsupportedInputError(
+                path,
+                f"{cls.__qualname__} cannot be copied: it wraps an operating-system descriptor (fileno())",
+            )
         slots = _slot_names(cls)
         if not (hasattr(x, "__dict__") or slots):
             return self.leaf(x, cls, path)

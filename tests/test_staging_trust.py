@@ -15,8 +15,10 @@ import asyncio
 import collections
 import functools
 import io
+import mmap
 import socket
 import sys
+import tempfile
 import threading
 import types
 import weakref
@@ -291,11 +293,15 @@ def unsupported(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """One value of each kind that cannot be staged faithfully."""
     text = (tmp_path / "f.txt").open("w")
     binary = (tmp_path / "g.bin").open("wb")
+    named = tempfile.NamedTemporaryFile(dir=tmp_path)  # noqa: SIM115 - closed below
+    mapped = mmap.mmap(-1, 4096)
     sock = socket.socket()
     coroutine = _coroutine()
     target = Holder([])
     cases: dict[str, Any] = {
         "text file": text,
+        "temporary file wrapper": named,
+        "mmap": mapped,
         "binary file": binary,
         "BytesIO": io.BytesIO(b"data"),
         "socket": sock,
@@ -316,6 +322,8 @@ def unsupported(tmp_path: Path) -> Iterator[dict[str, Any]]:
     yield cases
     text.close()
     binary.close()
+    named.close()
+    mapped.close()
     sock.close()
     coroutine.close()
 
@@ -325,6 +333,8 @@ def unsupported(tmp_path: Path) -> Iterator[dict[str, Any]]:
     "name",
     [
         "text file",
+        "temporary file wrapper",
+        "mmap",
         "binary file",
         "BytesIO",
         "socket",
