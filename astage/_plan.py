@@ -256,6 +256,13 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
+class _Rebuild(enum.Enum):
+    """How the rebuild recreates an object (see :meth:`_Planner.rebuild_of`)."""
+
+    ATTRIBUTES = "cls.__new__(cls), then its attributes"
+    BY_NAME = "the same object: a global that pickles by name"
+
+
 def _has_fileno(x: object) -> bool:
     try:
         return callable(getattr(x, "fileno", None))
@@ -289,7 +296,7 @@ class _Planner:
         self.keepalive: list[object] = []
         self.clock = clock
         self.deadline = clock() + SLICE_SECONDS
-        self.rebuild_problems: dict[type, str | None] = {}
+        self.rebuilds: dict[type, _Rebuild | str] = {}
 
     def walk(self, x: Any, path: KeyPath) -> Steps[Node]:
         cls = type(x)
@@ -377,27 +384,31 @@ class _Planner:
         slots = _slot_names(cls)
         if not (hasattr(x, "__dict__") or slots):
             return self.leaf(x, cls, path)
-        problem = self.rebuild_problem(x, cls, slots)
-        if problem is not None:
-            raise UnsupportedInputError(path, problem)
+        how = self.rebuild_of(x, cls, slots)
+        if how is _Rebuild.BY_NAME:
+            return AtomNode(x)
+        if isinstance(how, str):
+            raise UnsupportedInputError(path, how)
         slot_values = [(name, getattr(x, name)) for name in slots if hasattr(x, name)]
         fields: list[tuple[str, Node]] = list((yield from self._attrs(x, path)))
         for name, value in slot_values:
             fields.append((name, (yield from self.walk(value, (*path, Attr(name))))))
         return ObjectNode(self._memo(x), cls, tuple(fields))
 
-    def rebuild_problem(self, x: Any, cls: type, slots: list[str]) -> str | None:
-        """Why an object of ``cls`` cannot be rebuilt as ``cls.__new__(cls)`` plus its
-        attributes (what the rebuild does), or ``None``; decided once per class.
+    def rebuild_of(self, x: Any, cls: type, slots: list[str]) -> _Rebuild | str:
+        """How an object of ``cls`` is rebuilt, or why it cannot be; decided once per class.
 
-        Python's copy protocol (``__reduce_ex__``) says how the class wants to be rebuilt:
-        accepted are "create without arguments, then restore the state".  A class rebuilt
-        from arguments (``functools.partial``) or whose ``__new__`` needs them, and one that
-        keeps state in C fields next to its attributes (what ``io.BytesIO`` does), would come
-        back broken, so it is refused before any byte is copied.
+        Python's copy protocol (``__reduce_ex__``) says how the class wants to be rebuilt.
+        Accepted are "create without arguments, then restore the state" (the rebuild does
+        ``cls.__new__(cls)`` and sets the attributes) and "a global found by name" (kept by
+        reference, as ``copy.deepcopy`` does).  A class rebuilt from arguments
+        (``functools.partial``) or whose ``__new__`` needs them, and one that keeps state in
+        C fields next to its attributes (what ``io.BytesIO`` does), would come back broken:
+        the returned message refuses it before any byte is copied.
         """
-        if cls in self.rebuild_problems:
-            return self.rebuild_problems[cls]
+        known = self.rebuilds.get(cls)
+        if known is not None:
+            return known
         name = cls.__qualname__
         problem: str | None = None
         try:
@@ -405,6 +416,9 @@ class _Planner:
         except Exception as exc:
             problem = f"{name} cannot be copied: {exc}"
         else:
+            if isinstance(reduced, str):
+                self.rebuilds[cls] = _Rebuild.BY_NAME
+                return _Rebuild.BY_NAME
             func, args = (reduced[0], reduced[1]) if isinstance(reduced, tuple) else (None, None)
             if not ((func is _NEWOBJ and args == (cls,)) or (func is cls and args == ())):
                 problem = (
@@ -418,8 +432,9 @@ class _Planner:
                 cast(Any, cls).__new__(cls)
             except Exception as exc:
                 problem = f"{name} cannot be created without arguments, so it cannot be staged ({exc})"
-        self.rebuild_problems[cls] = problem
-        return problem
+        how = _Rebuild.ATTRIBUTES if problem is None else problem
+        self.rebuilds[cls] = how
+        return how
 
     def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
         if self.strict:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import types
+import typing
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -405,6 +406,7 @@ def test_objects_rebuilt_from_their_attributes_still_stage() -> None:
         "module": torch.nn.Linear(2, 2),
         "counter": collections.Counter("aab"),
         "deque": collections.deque([1, 2]),
+        "global": typing.Any,  # pickled by name: kept by reference
     }
 
     async def stage() -> Any:
@@ -419,6 +421,7 @@ def test_objects_rebuilt_from_their_attributes_still_stage() -> None:
     assert_same_tree(staged["module"].state_dict(), sd["module"].state_dict())
     assert staged["counter"] == sd["counter"]
     assert staged["deque"] == sd["deque"]
+    assert staged["global"] is typing.Any
 
 
 # -- item 12: torch.inference_mode ---------------------------------------------------------------
