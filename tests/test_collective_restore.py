@@ -109,8 +109,12 @@ async def lose(root: str, rank: int, *lost: int) -> None:
 
 async def lose_and_heal_target(rank: int, world: int, root: str, lost: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    async with Job(root, rank) as ckpt:
-        await save(ckpt, rank, 1, 2)
+    job = Job(root, rank)
+    async with job as ckpt:
+        await save(ckpt, rank, 0, 1, 2)
+    # The holder keeps the steps the owner keeps (keep=2), by step (the older ones are
+    # deleted off the critical path: at the next save, or on closing).
+    out["held"] = sorted(job.rs.held_replicas())
     await lose(root, rank, lost)
     async with Job(root, rank) as ckpt:
         out["steps_before"] = ckpt.steps()
@@ -132,6 +136,7 @@ def test_a_lost_node_is_restored_bit_exact_healed_and_survives_a_second_loss(
 ) -> None:
     results = [r.unwrap() for r in run_group(world, lose_and_heal_target, str(tmp_path), lost, timeout=60)]
     for rank, value in enumerate(results):
+        assert value["held"] == [1, 2], rank
         assert value["steps_before"] == ([] if rank == lost else [1, 2]), (rank, value)
         assert value["restored_1"], rank
         assert value["restored"], rank
