@@ -69,6 +69,17 @@ def test_cli_demo_runs_with_no_arguments() -> None:
     assert "all checks passed" in done.stdout
 
 
+def test_cli_demo_runs_again_on_the_same_directory_with_a_directory_per_rank(tmp_path: Path) -> None:
+    for _ in range(2):
+        done = run("-m", "astage", "demo", "--steps", "2", "--every", "1", "--directory", str(tmp_path))
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "all checks passed" in done.stdout
+    runs = list(tmp_path.iterdir())
+    assert len(runs) == 2
+    for run_dir in runs:  # no path shared between the ranks: one node directory each
+        assert sorted(p.name for p in run_dir.iterdir()) == ["node0", "node1"]
+
+
 @pytest.mark.parametrize("argv", [["--help"], *([c, "--help"] for c in ("demo", "inspect", "ls", "bench"))])
 def test_cli_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(argv, capsys)
