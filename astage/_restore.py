@@ -48,7 +48,7 @@ import torch
 
 from . import _transport
 from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError
-from ._format import BodyVerifier, ReplicaHeader, byte_view, parse_prefix
+from ._format import BodyVerifier, ReplicaHeader, parse_prefix
 from ._persist import _ReplicaFile, blocking_io, fsync_dirs, inspect_replica, load_replica, write_replica
 from ._plan import rebuild
 from ._pool import BufferPool
@@ -268,19 +268,22 @@ def _held_steps(rs: ReplicationStager) -> dict[int, Path]:
     return found
 
 
-def _read_whole(path: Path, owner: int, step: int) -> tuple[bytes, torch.Tensor]:
-    """A held replica's prefix and body, header checked (the receiver checks the body)."""
+def _map_replica(path: Path, owner: int, step: int) -> tuple[bytes, torch.Tensor]:
+    """A held replica's prefix, header checked, and its body mapped (the receiver checks it).
+
+    The body is a private, read-only-in-practice mapping of the file: its pages are read as
+    the transport sends them, so reading the disk overlaps the transfer.
+    """
     f = _ReplicaFile(path)
     try:
-        header, _ = f.header()
+        header, st = f.header()
         if header.owner_rank != owner or header.step != step:
             raise IntegrityError(f"{path} holds step {header.step} of rank {header.owner_rank}")
         prefix = f._pread(header.prefix_nbytes, 0)
-        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
-        f.read_into(byte_view(body), header.prefix_nbytes)
     finally:
         f.close()
-    return prefix, body
+    data = torch.from_file(str(path), shared=False, size=st.st_size, dtype=torch.uint8)
+    return prefix, data[header.prefix_nbytes :]
 
 
 def _decode_verified(header: ReplicaHeader, body: torch.Tensor) -> Any:
@@ -306,9 +309,12 @@ class _HealingSink(_StreamingSink):
     """
 
     def __init__(self, path: Path, owner_rank: int, step: int, inbox: BufferPool) -> None:
+        # The inbox is not used: the body becomes the restored state, and a fresh buffer is
+        # faulted in by the receiving threads as it lands instead of being pre-faulted first.
         super().__init__(path, owner_rank, inbox)
         self.step = step
         self.empty = False
+        self.body: torch.Tensor | None = None
 
     async def on_prefix(self, prefix: bytes) -> None:
         if not prefix:
@@ -325,19 +331,16 @@ class _HealingSink(_StreamingSink):
             self.error = exc
             return
         self.verifier = BodyVerifier(header)
-        if header.body_nbytes:
-            self.lease = await self.inbox.acquire([header.body_nbytes])
         await self._write(memoryview(prefix), open_first=True)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        if self.verifier is None or nbytes != self.verifier.header.body_nbytes:
-            if self.verifier is not None:
-                self.error = self.error or IntegrityError(
-                    f"the holder announces a {nbytes}-byte body, "
-                    f"its header says {self.verifier.header.body_nbytes}"
-                )
-            return torch.empty(nbytes, dtype=torch.uint8)  # drained, never used
-        return super().allocate(nbytes)
+        if self.verifier is not None and nbytes != self.verifier.header.body_nbytes:
+            self.error = self.error or IntegrityError(
+                f"the holder announces a {nbytes}-byte body, "
+                f"its header says {self.verifier.header.body_nbytes}"
+            )
+        self.body = torch.empty(nbytes, dtype=torch.uint8)  # (drained and dropped unless valid)
+        return self.body
 
     async def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
         if self.verifier is not None and self.error is None:
@@ -518,7 +521,7 @@ async def _transfer(
         try:
             if source is None:
                 raise FileNotFoundError(f"no replica of step {s} of rank {rs.recv_from}")
-            prefix, body = await anyio.to_thread.run_sync(_read_whole, source, rs.recv_from, s)
+            prefix, body = await anyio.to_thread.run_sync(_map_replica, source, rs.recv_from, s)
             payload = _transport.Payload(prefix, ((0, body),), body.numel())
         except (OSError, IntegrityError) as exc:
             # Take part all the same, with nothing: the owner reports it and the ranks agree.
@@ -603,12 +606,8 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
         attempt.fetched = UNWRITABLE
         attempt.unwritable = exc
         return
-    assert sink.lease is not None or header.body_nbytes == 0
-    body = (
-        torch.empty(0, dtype=torch.uint8).set_(sink.lease.storages[0])[: header.body_nbytes]
-        if sink.lease is not None
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    body = sink.body if sink.body is not None else torch.empty(0, dtype=torch.uint8)
+    sink.body = None
     attempt.state = await anyio.to_thread.run_sync(_decode_verified, header, body)
     attempt.fetched = OK
     log.warning(

@@ -44,6 +44,8 @@ def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
         assert header in done.stdout
     for row in ("astage", "raw exchange", "raw write+fsync", "torch _ReplicationStager"):
         assert row in done.stdout
+    for row in ("astage restore (lost rank)", "raw send (holder -> lost rank)", "raw send + raw write+fsync"):
+        assert row in done.stdout
     assert "PASS" in done.stdout or "MISS" in done.stdout
     results = json.loads(out.read_text())["results"]
-    assert {r["case"] for r in results} == {"gpt2-like", "small-20k"}
+    assert {r["case"] for r in results} == {"gpt2-like", "small-20k", "restore"}
