@@ -458,6 +458,8 @@ async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | N
                 sorted(plan.fetch),
                 time.monotonic() - started,
             )
+            if requested is None:
+                await _drop_newer(ckpt, rs, s)
             return attempt.state
         log.warning("rank %d: restoring step %d failed somewhere (%s); trying again", rs.rank, s, refused[-1])
         round_ += 1
@@ -616,6 +618,30 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
         header.step,
         rs.send_to,
     )
+
+
+async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> None:
+    """Remove this rank's committed steps and held replicas newer than the agreed ``step``.
+
+    Not every rank can restore them (or the ranks would have agreed on one), so no job can
+    ever resume from them; removing them lets the resumed job save those step numbers again.
+    """
+    from ._checkpointer import _delete_step
+
+    for newer in sorted(s for s in ckpt._committed if s > step):
+        marker = ckpt._committed.pop(newer)
+        if await blocking_io(
+            _delete_step, ckpt.step_dir(newer), marker, ckpt._marker_name, limiter=ckpt._limiter
+        ):
+            log.warning("rank %d: removed its step %d: not every rank can restore it", ckpt.rank, newer)
+        else:
+            ckpt._committed[newer] = marker
+    held = await blocking_io(rs.held_replicas)
+    for newer in sorted(s for s in held if s > step):
+        try:
+            await blocking_io(os.unlink, held[newer])
+        except OSError as exc:
+            log.warning("rank %d: cannot remove the replica %s: %s", rs.rank, held[newer], exc)
 
 
 async def _forget_step(ckpt: Checkpointer, step: int) -> None:

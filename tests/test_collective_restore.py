@@ -212,12 +212,16 @@ async def corrupt_target(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 0:
         corrupt_held_replica(root, 0, 1, 2)
     async with Job(root, rank) as ckpt:
-        # Step 2 of rank 1 exists only as a corrupt replica: every rank falls back to step 1.
+        # Step 2 of rank 1 exists only as a corrupt replica: every rank falls back to step 1,
+        # and drops its step 2, which the job can never resume from.
         out["fallback"] = check(await ckpt.restore(), rank, 1)
         out["steps_after_fallback"] = ckpt.steps()
+        await save(ckpt, rank, 2)  # so the resumed job can save step 2 again
+        out["resaved"] = ckpt.steps()
     await lose(root, rank, 1)
     if rank == 0:
         corrupt_held_replica(root, 0, 1, 1)
+        corrupt_held_replica(root, 0, 1, 2)
     async with Job(root, rank) as ckpt:
         try:
             await ckpt.restore()
@@ -232,12 +236,15 @@ def test_corrupt_replicas_at_the_holder_are_refused_and_never_restored(tmp_path:
     keeper, lost = (r.unwrap() for r in run_group(2, corrupt_target, str(tmp_path), timeout=60))
     assert keeper["fallback"]
     assert lost["fallback"]
-    assert lost["steps_after_fallback"] == [1]  # the corrupt step 2 was never committed
+    assert lost["steps_after_fallback"] == keeper["steps_after_fallback"] == [1]
+    assert lost["resaved"] == keeper["resaved"] == [1, 2]
     for value in (keeper, lost):
         assert value["error"] == "IntegrityError", value
-        assert "replica of step 1 of rank 1 held by rank 0 (corrupt)" in value["message"]
+        for step in (1, 2):
+            assert f"replica of step {step} of rank 1 held by rank 0 (corrupt)" in value["message"]
     assert keeper["message"] == lost["message"]
-    assert lost["steps_final"] == []
+    assert lost["steps_final"] == []  # nothing corrupt was ever committed
+    assert keeper["steps_final"] == [1, 2]
 
 
 # -- the decision, without processes ------------------------------------------------------------
