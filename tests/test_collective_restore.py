@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import astage
-from astage import IntegrityError, PeerTimeoutError, ResourceError, TransportError
+from astage import IntegrityError, PeerTimeoutError, ResourceError, TransportError, _restore
 from astage._restore import Inventory, plan_restore
 from tests.distributed import run_group, stop_self
 from tests.statedicts import bytes_equal, storage_key
@@ -66,16 +66,16 @@ def node(root: str, rank: int) -> Path:
     return Path(root) / f"node{rank}"
 
 
-def holder_of(rank: int, world: int) -> int:
-    return (rank + world // 2) % world
+def holder_of(rank: int, world: int, k: int | None = None) -> int:
+    return (rank + (world // 2 if k is None else k)) % world
 
 
 class Job:
     """One rank's Checkpointer and ReplicationStager on its own node directory."""
 
-    def __init__(self, root: str, rank: int, keep: int = 2) -> None:
+    def __init__(self, root: str, rank: int, keep: int = 2, k: int | None = None) -> None:
         self.rs = astage.ReplicationStager(
-            storage_dir=node(root, rank) / "replicas", timeout=TIMEOUT, keep=keep
+            storage_dir=node(root, rank) / "replicas", timeout=TIMEOUT, keep=keep, peer_offset=k
         )
         self.ckpt = astage.Checkpointer(node(root, rank) / "ckpt", rank=rank, keep=keep, replication=self.rs)
 
@@ -107,34 +107,52 @@ async def lose(root: str, rank: int, *lost: int) -> None:
     await barrier()
 
 
-async def lose_and_heal_target(rank: int, world: int, root: str, lost: int) -> dict[str, Any]:
+async def lose_and_heal_target(rank: int, world: int, root: str, lost: int, k: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    job = Job(root, rank)
+    job = Job(root, rank, k=k)
     async with job as ckpt:
         await save(ckpt, rank, 0, 1, 2)
     # The holder keeps the steps the owner keeps (keep=2), by step (the older ones are
     # deleted off the critical path: at the next save, or on closing).
     out["held"] = sorted(job.rs.held_replicas())
     await lose(root, rank, lost)
-    async with Job(root, rank) as ckpt:
+    async with Job(root, rank, k=k) as ckpt:
         out["steps_before"] = ckpt.steps()
+        try:
+            await ckpt.restore(7)  # never saved: the same error everywhere, the group intact
+        except ResourceError as exc:
+            out["missing_step"] = str(exc)
         out["restored_1"] = check(await ckpt.restore(1), rank, 1)
         out["restored"] = check(await ckpt.restore(), rank, 2)
         out["steps_after"] = ckpt.steps()
         await save(ckpt, rank, 3)  # the same objects save again after the restore
     # The replaced rank is whole again: now its holder can be lost, and restore still works.
-    await lose(root, rank, holder_of(lost, world))
-    async with Job(root, rank) as ckpt:
+    await lose(root, rank, holder_of(lost, world, k))
+    async with Job(root, rank, k=k) as ckpt:
         out["restored_again"] = check(await ckpt.restore(), rank, 3)
         out["steps_final"] = ckpt.steps()
     return out
 
 
-@pytest.mark.parametrize(("world", "lost"), [(2, 1), (3, 0), (4, 2)])
+@pytest.mark.parametrize(
+    ("world", "lost", "k", "backend"),
+    [
+        (2, 1, None, "asyncio"),
+        (2, 0, None, "trio"),
+        (3, 0, None, "asyncio"),
+        (4, 2, None, "asyncio"),
+        (4, 3, 1, "trio"),
+    ],
+)
 def test_a_lost_node_is_restored_bit_exact_healed_and_survives_a_second_loss(
-    tmp_path: Path, world: int, lost: int
+    tmp_path: Path, world: int, lost: int, k: int | None, backend: str
 ) -> None:
-    results = [r.unwrap() for r in run_group(world, lose_and_heal_target, str(tmp_path), lost, timeout=60)]
+    results = [
+        r.unwrap()
+        for r in run_group(world, lose_and_heal_target, str(tmp_path), lost, k, timeout=60, backend=backend)
+    ]
+    assert len({v["missing_step"] for v in results}) == 1
+    assert "cannot restore step 7" in results[0]["missing_step"]
     for rank, value in enumerate(results):
         assert value["held"] == [1, 2], rank
         assert value["steps_before"] == ([] if rank == lost else [1, 2]), (rank, value)
@@ -245,6 +263,58 @@ def test_corrupt_replicas_at_the_holder_are_refused_and_never_restored(tmp_path:
     assert keeper["message"] == lost["message"]
     assert lost["steps_final"] == []  # nothing corrupt was ever committed
     assert keeper["steps_final"] == [1, 2]
+
+
+async def cancelled_target(rank: int, world: int, root: str) -> dict[str, Any]:
+    def job() -> tuple[astage.ReplicationStager, astage.Checkpointer]:
+        rs = astage.ReplicationStager(
+            storage_dir=node(root, rank) / "replicas", timeout=TIMEOUT, keep=1, chunk_bytes=64 << 10
+        )
+        return rs, astage.Checkpointer(node(root, rank) / "ckpt", rank=rank, keep=1, replication=rs)
+
+    rs, ckpt = job()
+    async with rs, ckpt:
+        await ckpt.save(1, state_of(rank, 1, size=200_000))  # 0.8 MB: a dozen chunks
+        await ckpt.wait()
+    await lose(root, rank, 1)
+    rs, ckpt = job()
+    async with rs, ckpt:
+        started = time.monotonic()
+        if rank == 0:
+            try:
+                await ckpt.restore()
+            except TransportError as exc:
+                return {"error": type(exc).__name__, "elapsed": time.monotonic() - started}
+            return {"error": None}
+        # The lost rank is cancelled as the first chunk of its state lands.
+        real_on_chunk = _restore._HealingSink.on_chunk
+        with anyio.CancelScope() as scope:
+
+            async def on_chunk(self: Any, offset: int, chunk: torch.Tensor) -> None:
+                scope.cancel()
+                await real_on_chunk(self, offset, chunk)
+
+            _restore._HealingSink.on_chunk = on_chunk  # type: ignore[method-assign]
+            await ckpt.restore()
+        step_dir = ckpt.step_dir(1)
+        left = sorted(p.name for p in step_dir.iterdir()) if step_dir.exists() else []
+        refused = None
+        try:
+            await ckpt.save(2, state_of(rank, 2))
+            await ckpt.wait()
+        except astage.AstageError as exc:
+            refused = type(exc).__name__
+        return {"cancelled": scope.cancelled_caught, "left": left, "steps": ckpt.steps(), "refused": refused}
+
+
+def test_a_restore_cancelled_mid_transfer_commits_nothing_and_the_peer_fails_in_time(tmp_path: Path) -> None:
+    keeper, lost = (r.unwrap() for r in run_group(2, cancelled_target, str(tmp_path), timeout=60))
+    assert lost["cancelled"]
+    assert lost["left"] == []  # no temp file, no half-written checkpoint
+    assert lost["steps"] == []
+    assert lost["refused"] == "PersistError"  # the broken group is refused, clearly
+    assert keeper["error"] in {"TransportError", "PeerTimeoutError"}
+    assert keeper["elapsed"] < TIMEOUT + 1.0
 
 
 # -- the decision, without processes ------------------------------------------------------------
