@@ -425,6 +425,9 @@ async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | N
         outcomes = await all_gather(
             rs, [attempt.local, attempt.fetched], kind=_OUTCOME, round_=round_, deadline=deadline
         )
+        for source, outcome in enumerate(outcomes):
+            if len(outcome) != 2 or not all(NOT_NEEDED <= code <= UNWRITABLE for code in outcome):
+                raise TransportError(f"rank {source} sent a malformed restore outcome")
         s = plan.step
         unwritable = [rank for rank, (_, fetched) in enumerate(outcomes) if fetched == UNWRITABLE]
         if unwritable:
@@ -530,7 +533,12 @@ async def _transfer(
             log.warning("rank %d: cannot send rank %d its step %d: %s", rs.rank, rs.recv_from, s, exc)
     sink: _HealingSink | None = None
     if receive:
-        await _forget_step(ckpt, s)
+        try:
+            await _forget_step(ckpt, s)
+        except OSError as exc:  # take part all the same: the outcome round reports it
+            attempt.unwritable = PersistError(
+                f"cannot uncommit the unusable step {s} of rank {rs.rank}: {exc}"
+            )
         sink = _HealingSink(ckpt.step_dir(s) / ckpt._data_name, rs.rank, s, rs._inbox)
     try:
         if send and receive:
@@ -579,6 +587,9 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
     """Commit the received copy as this rank's checkpoint of the step; rebuild the state."""
     from ._checkpointer import _FileEntry, _Marker, _storages_crc32c
 
+    if attempt.unwritable is not None:
+        attempt.fetched = UNWRITABLE
+        return
     try:
         header = await sink.finish()
     except _HolderHadNone:

@@ -226,6 +226,15 @@ async def corrupt_target(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with Job(root, rank) as ckpt:
         await save(ckpt, rank, 1, 2)
+    await lose(root, rank)
+    if rank == 1:  # a corrupt local file: its holder's replica replaces it
+        path = node(root, 1) / "ckpt" / "step_0000000002" / "rank00001.astage"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x40
+        path.write_bytes(bytes(data))
+    async with Job(root, rank) as ckpt:
+        out["from_holder"] = check(await ckpt.restore(), rank, 2)
+        out["healed"] = check(await ckpt.restore(2, collective=False), rank, 2)  # local, verified
     await lose(root, rank, 1)
     if rank == 0:
         corrupt_held_replica(root, 0, 1, 2)
@@ -252,6 +261,9 @@ async def corrupt_target(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_corrupt_replicas_at_the_holder_are_refused_and_never_restored(tmp_path: Path) -> None:
     keeper, lost = (r.unwrap() for r in run_group(2, corrupt_target, str(tmp_path), timeout=60))
+    for value in (keeper, lost):
+        assert value["from_holder"]
+        assert value["healed"]
     assert keeper["fallback"]
     assert lost["fallback"]
     assert lost["steps_after_fallback"] == keeper["steps_after_fallback"] == [1]
