@@ -16,6 +16,7 @@ from ._errors import AstageError as AstageError
 from ._errors import CapacityError as CapacityError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigurationError as ConfigurationError
+from ._errors import EventLoopError as EventLoopError
 from ._errors import IntegrityError as IntegrityError
 from ._errors import PeerReportedError as PeerReportedError
 from ._errors import PeerTimeoutError as PeerTimeoutError
@@ -70,6 +71,7 @@ __all__ = [
     "ClosedError",
     "ConfigurationError",
     "DefaultStager",
+    "EventLoopError",
     "IntegrityError",
     "PeerReportedError",
     "PeerTimeoutError",

@@ -1256,20 +1256,43 @@ class Checkpointer:
 
     # -- restoring -----------------------------------------------------------------------
 
-    async def restore(self, step: int | None = None) -> Any:
+    async def restore(self, step: int | None = None, *, collective: bool | None = None) -> Any:
         """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU.
 
-        The local file is checked against its commit marker and its checksums.  If it is
-        missing or corrupt, or the step is not committed here, the newest valid replica of
-        this rank's ``step`` is used: from the replication object's ``fetch_replica`` if it
-        has one, then from ``fallback_dirs``.
+        **Collective** (``collective=True``; the default when ``replication`` is a
+        :class:`~astage.ReplicationStager` and no ``fallback_dirs`` are given): every rank of
+        the replication group calls ``restore`` at the same time; the ranks agree on the
+        newest step that every rank can restore (or check ``step``), from its own files or
+        from the replica its ring holder keeps, and every rank gets that step back.  A rank
+        whose files are missing or corrupt receives its state from its holder over the
+        process group, checksum-verified as it lands, and commits it locally again.  See
+        :mod:`astage._restore` and the replication guide.
+
+        **Local** (otherwise): the local file is checked against its commit marker and its
+        checksums.  If it is missing or corrupt, or the step is not committed here, the
+        newest valid replica of this rank's ``step`` is used: from the replication object's
+        ``fetch_replica`` if it has one, then from ``fallback_dirs`` (a shared file system).
 
         :raises ResourceError: nothing is committed, or the step is neither committed
             here nor found among the replicas.
         :raises IntegrityError: every copy found is corrupt or does not match (each named).
         :raises ClosedError: the Checkpointer is not open.
+        :raises PeerTimeoutError: (collective) a peer did not take part within the timeout.
+        :raises TransportError: (collective) a peer failed; the group is then broken.
+        :raises ConfigurationError: ``collective=True`` without a ReplicationStager.
         """
         self._check_open("restore")
+        if collective is None or collective:
+            from ._replication import ReplicationStager
+
+            if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
+                from ._restore import collective_restore
+
+                return await collective_restore(
+                    self, self._replication, None if step is None else _check_step(step)
+                )
+            if collective:
+                raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
         if step is None:
             step = self.latest()
             if step is None:

@@ -1,10 +1,12 @@
 """Move bytes from source storages into staging buffers, off the event loop.
 
 A copy is a list of ``(dst, src)`` tensor pairs, one per distinct storage: the staged and
-source tensor themselves when one tensor covers its whole storage contiguously (no extra
-tensor objects: this is what keeps 20,000 small tensors cheap), else byte views of the two
-storages.  Pairs are cut into batches of at most :data:`CHUNK_BYTES` and each batch is one
-worker-thread call, so a cancellation takes effect within one chunk (a few ms).
+source tensor themselves when one tensor covers its whole storage contiguously with a dtype
+that ``copy_`` moves bit for bit (no extra tensor objects: this is what keeps 20,000 small
+tensors cheap), else byte views of the two storages.  Either way a storage is copied as
+bytes: no dtype that happens to view it may change a bit.  Pairs are cut into batches of
+at most :data:`CHUNK_BYTES` and each batch is one worker-thread call, so a cancellation
+takes effect within one chunk (a few ms).
 ``Tensor.copy_`` is used throughout because it releases the GIL (``UntypedStorage.copy_``
 holds it for the whole copy).
 
@@ -30,20 +32,33 @@ CHUNK_BYTES = 16 << 20
 Pair = tuple[torch.Tensor, torch.Tensor]
 Batch = list[Pair]
 
-_NOT_COPYABLE: frozenset[torch.dtype] = frozenset(
-    d
-    for name in (
-        *(f"int{i}" for i in range(1, 8)),
-        *(f"uint{i}" for i in range(1, 8)),
-        "qint8",
-        "qint32",
-        "quint8",
-        "quint4x2",
-        "quint2x4",
-    )
-    if isinstance(d := getattr(torch, name, None), torch.dtype)
+_BIT_COPIED: frozenset[torch.dtype] = frozenset(
+    {
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
 )
-"""Dtypes whose ``copy_`` kernel is missing: their storages are copied as bytes."""
+"""Dtypes whose same-dtype ``copy_`` moves every bit unchanged, NaN payloads included.
+
+A storage is copied through one of its own tensors only when that tensor has one of these
+dtypes; any other storage is copied through byte views.  ``bool`` is why this is an allow
+list: its kernel normalises each byte to 0 or 1, so a ``uint8`` storage viewed as ``bool``
+lost every other value (issue 9).  Others have no kernel (``int1``..``int7``, quantized)
+or are too new to trust (float8, ``complex32``); copying those as bytes costs one tensor
+object per storage, nothing more.
+"""
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -71,7 +86,7 @@ def iter_pairs(
             nbytes = plan.storages[s].nbytes
             src = source.tensors[i]
             if (
-                spec.dtype not in _NOT_COPYABLE
+                spec.dtype in _BIT_COPIED
                 and src.numel() * src.element_size() == nbytes
                 and src.is_contiguous()
             ):

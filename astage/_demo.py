@@ -2,11 +2,12 @@
 
 Two local processes join a gloo group on 127.0.0.1 and each trains a small built-in model
 on synthetic data in an async loop.  Every few steps each rank checkpoints through a
-:class:`Checkpointer` whose saves are also replicated to its ring peer.  At the end each
-rank restores its latest checkpoint and checks it bit for bit against what it saved; then
-it deletes its local copy (a lost disk) and restores again, from the replica its peer
-holds.  Rank 0 shows a progress bar; the parent prints a summary table.  Uses the public
-API only.
+:class:`Checkpointer` whose saves are also replicated to its ring peer; each rank has a
+directory of its own (no shared path, as on separate machines).  At the end the ranks
+restore their latest checkpoint collectively and check it bit for bit against what they
+saved; then each rank in turn loses its whole directory and the job restores again,
+collectively, the lost rank receiving its state from the peer that holds its replica.
+Rank 0 shows a progress bar; the parent prints a summary table.  Uses the public API only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import shutil
 import socket
 import tempfile
 from datetime import timedelta
@@ -46,37 +48,46 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+async def _barrier() -> None:
+    await asyncio.to_thread(dist.barrier)  # nothing else is on the group meanwhile
+
+
 async def _rank_main(rank: int, world: int, root: Path, steps: int, every: int) -> dict[str, Any]:
     torch.manual_seed(rank)
     model, opt = _model()
-    peer = (rank + world // 2) % world  # holds this rank's replica
+    node = root / f"node{rank}"  # this rank's own "machine": no path is shared with a peer
+
+    def job() -> tuple[astage.ReplicationStager, astage.Checkpointer]:
+        replication = astage.ReplicationStager(storage_dir=node / "replicas", keep=2, timeout=60)
+        ckpt = astage.Checkpointer(node / "checkpoints", rank=rank, keep=2, replication=replication)
+        return replication, ckpt
+
+    def train_step() -> float:
+        x = torch.randn(64, 256)
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    def snapshot(step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        weights = model.state_dict()
+        expected = {"model": {k: v.clone() for k, v in weights.items()}, "step": step}
+        return {"model": weights, "optim": opt.state_dict(), "step": step}, expected
+
     saves: list[tuple[float, astage.SaveHandle]] = []
     expected: dict[str, Any] = {}
     progress = Progress(transient=True, disable=rank != 0)
-    async with (
-        astage.ReplicationStager(storage_dir=root / "replicas" / f"rank{rank}", timeout=60) as replication,
-        astage.Checkpointer(
-            root / "checkpoints",
-            rank=rank,
-            keep=2,
-            replication=replication,
-            fallback_dirs=[root / "replicas" / f"rank{peer}"],
-        ) as ckpt,
-    ):
+    replication, ckpt = job()
+    async with replication, ckpt:
         with progress:
             task = progress.add_task("training", total=steps)
             for step in range(1, steps + 1):
-                x = torch.randn(64, 256)
-                loss = (model(x) - x).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                loss = train_step()
                 if step % every == 0:
-                    weights = model.state_dict()
-                    expected = {"model": {k: v.clone() for k, v in weights.items()}, "step": step}
-                    state = {"model": weights, "optim": opt.state_dict(), "step": step}
+                    state, expected = snapshot(step)
                     handle = await ckpt.save(step, state)  # returns once staged: train on
-                    saves.append((float(loss.detach()), handle))
+                    saves.append((loss, handle))
                 progress.advance(task)
                 await asyncio.sleep(0)  # a real trainer awaits its data here
             await ckpt.wait()
@@ -95,12 +106,30 @@ async def _rank_main(rank: int, world: int, root: Path, steps: int, every: int) 
                 }
             )
         latest = ckpt.latest()
-        restored = await ckpt.restore()
+        restored = await ckpt.restore()  # collective: every rank restores the same step
         local_ok = _same({"model": restored["model"], "step": restored["step"]}, expected)
-        # A lost file: remove this rank's local data of the latest step, restore from the peer.
-        (root / "checkpoints" / f"step_{latest:010d}" / f"rank{rank:05d}.astage").unlink()
-        from_peer = await ckpt.restore(latest)
-        peer_ok = _same({"model": from_peer["model"], "step": from_peer["step"]}, expected)
+    # Each rank in turn loses its whole node (checkpoints and the replicas it held) and the
+    # job restarts without re-creating the process group: new objects, a collective restore
+    # in which the lost rank receives its state from the peer that holds its replica.  One
+    # more step is then trained and saved, so the next loss is survivable too.
+    peer_ok = False
+    step = steps
+    for lost in range(world):
+        await _barrier()
+        if rank == lost:
+            shutil.rmtree(node)
+        await _barrier()
+        replication, ckpt = job()
+        async with replication, ckpt:
+            had_files = bool(ckpt.steps())
+            restored = await ckpt.restore()
+            ok = _same({"model": restored["model"], "step": restored["step"]}, expected)
+            if rank == lost:
+                peer_ok = ok and not had_files
+            step += 1
+            train_step()
+            state, expected = snapshot(step)
+            await (await ckpt.save(step, state)).wait()
     return {"rank": rank, "latest": latest, "local_ok": local_ok, "peer_ok": peer_ok, "saves": rows}
 
 
@@ -134,9 +163,12 @@ def run_demo(steps: int = 24, every: int = 4, ranks: int = 2, directory: Path | 
     if ranks < 2 or steps < every or every < 1:
         raise astage.ConfigurationError("the demo needs --ranks >= 2 and 1 <= --every <= --steps")
     with tempfile.TemporaryDirectory(prefix="astage-demo-") as tmp:
-        root = directory or Path(tmp)
+        # A fresh run directory each time: re-running on the same --directory starts anew.
+        if directory is not None:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="run-", dir=directory)) if directory else Path(tmp)
         console.print(
-            f"astage demo: {ranks} ranks on 127.0.0.1 (gloo), checkpoints and replicas under {root}"
+            f"astage demo: {ranks} ranks on 127.0.0.1 (gloo), each with its own node directory under {root}"
         )
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
@@ -155,8 +187,16 @@ def run_demo(steps: int = 24, every: int = 4, ranks: int = 2, directory: Path | 
         console.print(f"[red]rank {r['rank']} failed: {r['error']}[/red]")
     if failed:
         return 1
-    table = Table(title="checkpoints (rank 0; every save also replicated to its peer)")
-    for column in ("step", "loss", "MB", "blocked ms", "persist ms", "replicate ms", "GB/s"):
+    table = Table(
+        title="checkpoints (rank 0; every save also replicated to its peer)",
+        caption=(
+            "save() blocked: how long the training loop waited in save() (staging to CPU buffers); "
+            "persist: encoding, writing and fsyncing the local file in the background; "
+            "GB/s: checkpoint size over persist time"
+        ),
+    )
+    columns = ("step", "loss", "MB", "save() blocked ms", "persist ms", "replicate ms", "persist GB/s")
+    for column in columns:
         table.add_column(column, justify="right")
     for row in results[0]["saves"]:
         table.add_row(
@@ -169,8 +209,8 @@ def run_demo(steps: int = 24, every: int = 4, ranks: int = 2, directory: Path | 
             f"{row['gbps']:.2f}",
         )
     console.print(table)
-    checks = Table(title="restore checks")
-    for column in ("rank", "latest step", "restored locally", "restored from peer replica"):
+    checks = Table(title="restore checks (collective restore; each rank's node lost in turn)")
+    for column in ("rank", "latest step", "restored locally", "node lost: restored from peer replica"):
         checks.add_column(column)
     for r in results:
         checks.add_row(str(r["rank"]), str(r["latest"]), _mark(r["local_ok"]), _mark(r["peer_ok"]))

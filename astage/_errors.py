@@ -71,6 +71,14 @@ class ClosedError(ResourceError, RuntimeError):
     """The stager, pool or transport was used after ``aclose()``."""
 
 
+class EventLoopError(ResourceError, RuntimeError):
+    """A stager was used from a second event loop while another was using it.
+
+    A stager serves one event loop at a time: its waits and its thread limiter belong to
+    the loop that is using it.  Use one stager per loop (per thread), or take turns.
+    """
+
+
 class CapacityError(ResourceError, MemoryError):
     """A single request is larger than the configured memory cap; waiting cannot help."""
 

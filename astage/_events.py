@@ -16,7 +16,11 @@ from typing import Literal, Protocol, runtime_checkable
 import anyio
 import anyio.lowlevel
 
+from ._errors import ConfigurationError
+from ._options import check_choice
+
 Strategy = Literal["poll", "thread"]
+STRATEGIES: tuple[Strategy, ...] = ("poll", "thread")
 
 
 @runtime_checkable
@@ -50,7 +54,14 @@ async def wait_event(
     :param initial_delay: first back-off sleep in seconds.
     :param max_delay: cap of the back-off in seconds; bounds the added latency.
     :raises TypeError: ``"thread"`` asked for an event without ``synchronize()``.
+    :raises ConfigurationError: an unknown strategy, or delays that are not positive numbers.
     """
+    check_choice("wait_event(strategy=...)", strategy, STRATEGIES)
+    for name, value in (("initial_delay", initial_delay), ("max_delay", max_delay)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigurationError(
+                f"wait_event({name}=...) must be a positive number of seconds, got {value!r}"
+            )
     if strategy == "thread":
         if not isinstance(event, Synchronizable):
             raise TypeError(f"{type(event).__name__} has no synchronize(); use strategy='poll'")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Self
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -22,6 +23,35 @@ if TYPE_CHECKING:
 
 _TORCH_STAGING = "torch.distributed.checkpoint.staging"
 _TORCH_SWITCHES = ("use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy")
+
+
+def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is a bool (or ``None`` if optional)."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        expected = "a bool or None" if optional else "a bool"
+        raise ConfigurationError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_positive_int(name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is an int >= 1 (or ``None`` if optional)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        expected = "a positive int or None" if optional else "a positive int"
+        raise ConfigurationError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Collection[object]) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is one of ``choices``."""
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+        raise ConfigurationError(f"{name} must be one of {sorted(map(repr, choices))}, got {value!r}")
+
+
+def check_type(name: str, value: Any, cls: type) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is an instance of ``cls``."""
+    if not isinstance(value, cls):
+        got = f"{type(value).__qualname__} {value!r}"
+        raise ConfigurationError(f"{name} must be a {cls.__qualname__}, got {got}")
 
 
 def accelerator_available() -> bool:
@@ -53,18 +83,10 @@ class StagingOptions:
 
     def __post_init__(self) -> None:
         for name in ("use_pinned_memory", "use_non_blocking_copy"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigurationError(f"StagingOptions.{name} must be a bool or None, got {value!r}")
+            check_bool(f"StagingOptions.{name}", getattr(self, name), optional=True)
         for name in ("use_shared_memory", "use_async_staging"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigurationError(f"StagingOptions.{name} must be a bool, got {value!r}")
-        cap = self.max_staging_bytes
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
-            raise ConfigurationError(
-                f"StagingOptions.max_staging_bytes must be a positive int or None, got {cap!r}"
-            )
+            check_bool(f"StagingOptions.{name}", getattr(self, name))
+        check_positive_int("StagingOptions.max_staging_bytes", self.max_staging_bytes, optional=True)
 
     @classmethod
     def from_torch(cls, options: TorchStagingOptions) -> Self:

@@ -79,13 +79,19 @@ BytesLike = bytes | bytearray | memoryview
 _Step = Literal["open", "write", "fsync", "close", "replace", "dir-fsync"]
 
 
-def replica_path(storage_dir: str | os.PathLike[str], *, owner_rank: int, holder_rank: int) -> Path:
+def replica_path(
+    storage_dir: str | os.PathLike[str], *, owner_rank: int, holder_rank: int, step: int | None = None
+) -> Path:
     """Where the replica of ``owner_rank``'s state kept by ``holder_rank`` lives.
 
     ``replica-owner{owner:05d}-holder{holder:05d}.astage``: one file per owner and holder, a
-    newer replica replaces the older one atomically.
+    newer replica replaces the older one atomically.  With ``step``, one file per step:
+    ``replica-owner{owner:05d}-holder{holder:05d}-step{step:010d}.astage``.
     """
-    return Path(storage_dir) / f"replica-owner{owner_rank:05d}-holder{holder_rank:05d}{REPLICA_SUFFIX}"
+    name = f"replica-owner{owner_rank:05d}-holder{holder_rank:05d}"
+    if step is not None:
+        name += f"-step{step:010d}"
+    return Path(storage_dir) / f"{name}{REPLICA_SUFFIX}"
 
 
 def temp_path_for(path: Path) -> Path:

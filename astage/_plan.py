@@ -13,25 +13,38 @@ Invariants:
 * The same Python object met twice (a tied Parameter, a dict referenced from two places)
   is rebuilt as one object met twice; a reference cycle is rejected.
 * Anything that cannot be copied faithfully raises :class:`UnsupportedInputError` with its
-  key path.  Nothing is ever silently dropped or copied wrongly.
+  key path, while planning, before any byte is copied: open files, sockets, threads,
+  locks, generators, weak references, objects that need arguments to be created again or
+  keep state outside their attributes, and nesting deeper than :data:`MAX_DEPTH`.
+  Nothing is ever silently dropped or copied wrongly.
+* Each container is read once, as a snapshot taken before its items are walked: the walk
+  yields to the event loop between slices, and a container another task changes meanwhile
+  is staged as it was when its walk began, never torn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import copyreg
 import dataclasses
 import decimal
 import enum
 import fractions
+import io
+import pathlib
+import socket
 import sys
+import threading
 import types
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
 
 from ._errors import Attr, KeyPath, UnsupportedInputError
-from ._slices import SLICE_SECONDS, Steps, clock, drive
+from ._slices import SLICE_SECONDS, Steps, clock, drive, within
 
 
 def _dtensor_class() -> type | None:
@@ -68,6 +81,43 @@ _ATOMS: frozenset[type] = frozenset(
     }
 )
 """Immutable leaf types kept by reference: copying them could never isolate anything."""
+
+MAX_DEPTH = 200
+"""Deepest nesting of containers and objects a state_dict may have.
+
+The walk and the rebuild recurse once per level (three Python frames each), so this
+bound keeps both well inside Python's default recursion limit of 1,000 frames whatever
+the caller's own stack; a deeper tree is refused with its key path instead of failing
+with a bare ``RecursionError``.  Real state_dicts nest a handful of levels.
+"""
+
+_REFUSED: tuple[tuple[tuple[type, ...], str], ...] = (
+    ((io.IOBase,), "an open file or stream holds state outside Python (a descriptor, a position)"),
+    ((socket.socket,), "a socket is an operating-system resource"),
+    ((threading.Thread,), "a thread cannot be copied"),
+    (
+        (type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Semaphore),
+        "a lock belongs to the threads that use it",
+    ),
+    (
+        (
+            types.GeneratorType,
+            types.CoroutineType,
+            types.AsyncGeneratorType,
+            types.FrameType,
+            types.TracebackType,
+        ),
+        "a running computation (generator, coroutine, frame) cannot be copied",
+    ),
+    (
+        (weakref.ReferenceType, weakref.ProxyType, weakref.CallableProxyType),
+        "a weak reference would still point at the source object",
+    ),
+)
+"""Types refused outright, with the reason given to the caller."""
+
+_POINTER = 8 if sys.maxsize > 2**32 else 4
+_NEWOBJ = vars(copyreg)["__newobj__"]  # what __reduce_ex__ names for "cls.__new__(cls), then state"
 
 
 class TensorKind(enum.Enum):
@@ -206,6 +256,31 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
+class _Rebuild(enum.Enum):
+    """How the rebuild recreates an object (see :meth:`_Planner.rebuild_of`)."""
+
+    ATTRIBUTES = "cls.__new__(cls), then its attributes"
+    BY_NAME = "the same object: a global that pickles by name"
+
+
+def _has_fileno(x: object) -> bool:
+    try:
+        return callable(getattr(x, "fileno", None))
+    except Exception:  # a __getattr__ that fails in its own way: not a file wrapper we know
+        return False
+
+
+def _plain_size(cls: type, slots: list[str]) -> int:
+    """The instance size of ``cls`` if all its state were ``__dict__``, ``__slots__`` and
+    the weak-reference slot (the check ``pickle`` makes before copying an object)."""
+    size = object.__basicsize__ + _POINTER * len(slots)
+    if cls.__weakrefoffset__:
+        size += _POINTER
+    if cls.__dictoffset__ > 0:  # a negative or managed dict lives outside the basic size
+        size += _POINTER
+    return size
+
+
 class _Planner:
     def __init__(self, *, strict: bool, allowed_devices: frozenset[str]) -> None:
         self.strict = strict
@@ -221,6 +296,7 @@ class _Planner:
         self.keepalive: list[object] = []
         self.clock = clock
         self.deadline = clock() + SLICE_SECONDS
+        self.rebuilds: dict[type, _Rebuild | str] = {}
 
     def walk(self, x: Any, path: KeyPath) -> Steps[Node]:
         cls = type(x)
@@ -230,10 +306,12 @@ class _Planner:
             return (yield from self.tensor(x, path))
         if id(x) in self.memo:
             return RefNode(self.memo[id(x)])
-        if isinstance(x, (enum.Enum, type)):
+        if isinstance(x, (enum.Enum, type, pathlib.PurePath)):  # immutable values too
             return AtomNode(x)
         if id(x) in self.active:
             raise UnsupportedInputError(path, "reference cycle: this object contains itself")
+        if len(self.active) >= MAX_DEPTH:  # `active` holds exactly the containers above x
+            raise UnsupportedInputError(path, f"nested deeper than {MAX_DEPTH} levels of containers")
         self.active.add(id(x))
         try:
             node = yield from self.container(x, cls, path)
@@ -252,7 +330,7 @@ class _Planner:
         if not state:
             return ()
         out = []
-        for k, v in state.items():
+        for k, v in tuple(state.items()):  # a snapshot: the walk yields to the loop
             out.append((k, (yield from self.walk(v, (*path, Attr(k))))))
         return tuple(out)
 
@@ -274,15 +352,19 @@ class _Planner:
         return tuple(out)
 
     def container(self, x: Any, cls: type, path: KeyPath) -> Steps[Node]:
+        # Every container is read into a snapshot before its items are walked: the walk yields
+        # to the loop, and another task may change the container meanwhile (issue 9).
         if isinstance(x, dict):
-            for k in x:
+            pairs = tuple(x.items())
+            for k, _ in pairs:
                 if isinstance(k, torch.Tensor):
                     raise UnsupportedInputError(path, "tensors cannot be dict keys in a state_dict")
-            values = yield from self._items(x.items(), path)
+            values = yield from self._items(pairs, path)
             attrs = () if cls is dict else (yield from self._attrs(x, path))
-            return DictNode(self._memo(x), tuple(x), values, None if cls is dict else x, attrs)
+            keys = tuple(k for k, _ in pairs)
+            return DictNode(self._memo(x), keys, values, None if cls is dict else x, attrs)
         if isinstance(x, (list, tuple)):
-            items = yield from self._items(enumerate(x), path)
+            items = yield from self._items(enumerate(tuple(x)), path)
             attrs = () if cls in (list, tuple) else (yield from self._attrs(x, path))
             memo = self._memo(x)
             if isinstance(x, tuple) and attrs:
@@ -291,13 +373,68 @@ class _Planner:
             return SeqNode(memo, cls, items, proto, attrs)
         if isinstance(x, (types.MethodType, types.BuiltinMethodType)):
             return AtomNode(x)
-        if not (hasattr(x, "__dict__") or _slot_names(cls)):
+        for refused, reason in _REFUSED:
+            if isinstance(x, refused):
+                raise UnsupportedInputError(path, f"{cls.__qualname__} cannot be copied: {reason}")
+        if _has_fileno(x):  # file wrappers outside io (tempfile's, mmap, epoll, ...)
+            raise UnsupportedInputError(
+                path,
+                f"{cls.__qualname__} cannot be copied: it wraps an operating-system descriptor (fileno())",
+            )
+        slots = _slot_names(cls)
+        if not (hasattr(x, "__dict__") or slots):
             return self.leaf(x, cls, path)
+        how = self.rebuild_of(x, cls, slots)
+        if how is _Rebuild.BY_NAME:
+            return AtomNode(x)
+        if isinstance(how, str):
+            raise UnsupportedInputError(path, how)
+        slot_values = [(name, getattr(x, name)) for name in slots if hasattr(x, name)]
         fields: list[tuple[str, Node]] = list((yield from self._attrs(x, path)))
-        for name in _slot_names(cls):
-            if hasattr(x, name):
-                fields.append((name, (yield from self.walk(getattr(x, name), (*path, Attr(name))))))
+        for name, value in slot_values:
+            fields.append((name, (yield from self.walk(value, (*path, Attr(name))))))
         return ObjectNode(self._memo(x), cls, tuple(fields))
+
+    def rebuild_of(self, x: Any, cls: type, slots: list[str]) -> _Rebuild | str:
+        """How an object of ``cls`` is rebuilt, or why it cannot be; decided once per class.
+
+        Python's copy protocol (``__reduce_ex__``) says how the class wants to be rebuilt.
+        Accepted are "create without arguments, then restore the state" (the rebuild does
+        ``cls.__new__(cls)`` and sets the attributes) and "a global found by name" (kept by
+        reference, as ``copy.deepcopy`` does).  A class rebuilt from arguments
+        (``functools.partial``) or whose ``__new__`` needs them, and one that keeps state in
+        C fields next to its attributes (what ``io.BytesIO`` does), would come back broken:
+        the returned message refuses it before any byte is copied.
+        """
+        known = self.rebuilds.get(cls)
+        if known is not None:
+            return known
+        name = cls.__qualname__
+        problem: str | None = None
+        try:
+            reduced = x.__reduce_ex__(4)
+        except Exception as exc:
+            problem = f"{name} cannot be copied: {exc}"
+        else:
+            if isinstance(reduced, str):
+                self.rebuilds[cls] = _Rebuild.BY_NAME
+                return _Rebuild.BY_NAME
+            func, args = (reduced[0], reduced[1]) if isinstance(reduced, tuple) else (None, None)
+            if not ((func is _NEWOBJ and args == (cls,)) or (func is cls and args == ())):
+                problem = (
+                    f"{name} is rebuilt from constructor arguments ({func!r} with {args!r}), "
+                    "not from its attributes, so it cannot be staged"
+                )
+        if problem is None and cls.__basicsize__ > _plain_size(cls, slots):
+            problem = f"{name} keeps state outside its attributes (in C fields): a copy would be incomplete"
+        if problem is None:
+            try:
+                cast(Any, cls).__new__(cls)
+            except Exception as exc:
+                problem = f"{name} cannot be created without arguments, so it cannot be staged ({exc})"
+        how = _Rebuild.ATTRIBUTES if problem is None else problem
+        self.rebuilds[cls] = how
+        return how
 
     def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
         if self.strict:
@@ -389,22 +526,28 @@ class _Planner:
 
 
 class _Collector(_Planner):
-    """A planner that only gathers the tree's tensors (plain or local), no specs."""
+    """A planner that only gathers the tree's tensors (plain or local) and their paths."""
+
+    def __init__(self) -> None:
+        super().__init__(strict=False, allowed_devices=frozenset())
+        self.paths: list[KeyPath] = []
 
     def new_tensor(self, x: torch.Tensor, path: KeyPath) -> TensorNode:
         index = len(self.sources)
         is_dtensor = type(x) is not torch.Tensor and type(x) is _dtensor_class()
         self.sources.append(x._local_tensor if is_dtensor else x)  # type: ignore[attr-defined]
+        self.paths.append(path)
         self.tensor_index[id(x)] = index
         self.keepalive.append(x)
         return TensorNode(index)
 
 
-def iter_tensors(tree: Any) -> Steps[list[torch.Tensor]]:
-    """Every distinct tensor in ``tree`` (DTensors as their local tensor), in time slices."""
-    collector = _Collector(strict=False, allowed_devices=frozenset())
+def iter_tensor_paths(tree: Any) -> Steps[list[tuple[KeyPath, torch.Tensor]]]:
+    """Every distinct tensor in ``tree`` (DTensors as their local tensor) with its key
+    path, in time slices."""
+    collector = _Collector()
     yield from collector.walk(tree, ())
-    return collector.sources
+    return list(zip(collector.paths, collector.sources, strict=True))
 
 
 def supported_devices() -> frozenset[str]:
@@ -460,8 +603,19 @@ def rebuild(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Any:
 def iter_rebuild(plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> Steps[Any]:
     """Rebuild the planned tree in time slices; ``local_tensor(i)`` gives the plain staged
     tensor of ``plan.tensors[i]`` (wrapped here as a Parameter or DTensor as planned)."""
-    with torch.no_grad():
-        return (yield from _Rebuilder(plan, local_tensor).node(plan.root))
+    return (yield from within(plain_tensor_mode, _Rebuilder(plan, local_tensor).node(plan.root)))
+
+
+@contextlib.contextmanager
+def plain_tensor_mode() -> Iterator[None]:
+    """Create and write staged tensors as plain tensors, whatever mode the caller is in.
+
+    Under ``torch.inference_mode()`` new tensors are inference tensors, which the worker
+    threads (outside that mode) may not write: ``stage()`` inside it always failed
+    (issue 9).  Gradients are off too: staging records no autograd history.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 class _Rebuilder:

@@ -35,6 +35,7 @@ import anyio
 import torch
 
 from ._errors import CapacityError, ClosedError, ConfigurationError
+from ._options import check_bool, check_positive_int, check_type
 
 log = logging.getLogger("astage.pool")
 
@@ -189,6 +190,10 @@ class BufferPool:
         allocate_inline: bool = False,
         wait_log_seconds: float = CAP_WAIT_LOG_SECONDS,
     ) -> None:
+        check_type("BufferPool(kind=...)", kind, BufferKind)
+        check_positive_int("BufferPool(max_bytes=...)", max_bytes, optional=True)
+        check_bool("BufferPool(retain=...)", retain)
+        check_bool("BufferPool(allocate_inline=...)", allocate_inline)
         if not wait_log_seconds >= 0:  # also refuses NaN
             raise ConfigurationError(f"wait_log_seconds must be >= 0, got {wait_log_seconds!r}")
         self.kind = kind
@@ -430,6 +435,10 @@ class BufferPool:
     def handed_out_storages(self) -> set[int]:
         """Identities (``_cdata``) of the storages currently handed out to callers."""
         return {buf.storage._cdata for buf in self._out.values()}
+
+    def forget_loop(self) -> None:
+        """Drop the wake-up event made under the previous event loop (the pool is idle)."""
+        self._changed = None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -31,6 +31,7 @@ import enum
 import functools
 import logging
 import os
+import re
 import time
 import uuid
 from datetime import timedelta
@@ -64,9 +65,11 @@ from ._format import (
 )
 from ._options import StagingOptions, coerce_options
 from ._persist import (
+    DirOpener,
     ReplicaWriter,
     _ReplicaFile,
     blocking_io,
+    inspect_replica,
     make_dirs_durable,
     replica_path,
     sweep_stale_temps,
@@ -197,6 +200,10 @@ class ReplicationStager:
     :param max_replica_bytes: largest replica accepted from a peer.
     :param chunk_bytes: size of the body messages sent, in
         ``[astage._transport.MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]`` (4 KiB to 1 GiB).
+    :param keep: ``None`` (default): one replica file per owner, each call replacing it.  An
+        int: one file per step (``...-step{step:010d}.astage``), keeping the ``keep`` highest
+        steps, so that a :class:`Checkpointer` with the same ``keep`` can restore any of its
+        committed steps collectively (see ``Checkpointer.restore``).
     :raises ConfigurationError: any argument of the wrong type or out of range (named), no
         initialised process group, a rank outside ``process_group``, a group of one rank,
         an offset that maps a rank to itself, or a backend the transport cannot drive.
@@ -213,6 +220,7 @@ class ReplicationStager:
         options: StagingOptions | TorchStagingOptions | None = None,
         max_replica_bytes: int = DEFAULT_MAX_REPLICA_BYTES,
         chunk_bytes: int = _transport.CHUNK_BYTES,
+        keep: int | None = None,
     ) -> None:
         # The plain arguments first, so that their errors do not depend on the group.
         self.storage_dir = check_path("storage_dir", storage_dir)
@@ -235,6 +243,9 @@ class ReplicationStager:
                 "process_group must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(process_group).__qualname__}"
             )
+        if keep is not None and (type(keep) is not int or keep < 1):
+            raise ConfigurationError(f"keep must be an int >= 1 or None, got {keep!r}")
+        self.keep = keep
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigurationError("ReplicationStager needs an initialised torch.distributed process group")
         self.process_group = process_group
@@ -389,7 +400,12 @@ class ReplicationStager:
                     )
                 )
             encoded_at = time.perf_counter()
-            path = replica_path(self.storage_dir, owner_rank=self.recv_from, holder_rank=self.rank)
+            path = replica_path(
+                self.storage_dir,
+                owner_rank=self.recv_from,
+                holder_rank=self.rank,
+                step=None if self.keep is None else step,
+            )
             sink = _StreamingSink(path, self.recv_from, self._inbox)
             try:
                 try:
@@ -411,6 +427,8 @@ class ReplicationStager:
                     header = await sink.finish()
                     if sink.retired is not None:
                         self._retired.append(sink.retired)
+                    if self.keep is not None:
+                        self._retired += await blocking_io(self._beyond_keep)
                 except Exception as exc:
                     if self._phase is not ReplicationPhase.EXCHANGED:
                         raise
@@ -470,7 +488,8 @@ class ReplicationStager:
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
-            held = replica_path(self.storage_dir, owner_rank=self.recv_from, holder_rank=self.rank)
+            steps = await blocking_io(self.held_replicas)
+            held = steps[max(steps)] if steps else self.storage_dir / "none"
             found = await blocking_io(_read_replica_file, held)
             prefix, segments, nbytes = (
                 (found[0], ((0, found[1]),), found[1].numel()) if found else (b"", (), 0)
@@ -502,6 +521,23 @@ class ReplicationStager:
             )
         return await anyio.to_thread.run_sync(decode, header, received.body)
 
+    def held_replicas(self) -> dict[int, Path]:
+        """The replica files this rank holds of its owner's state, by step (blocking).
+
+        Only names are read (the step of the single file kept without ``keep`` comes from its
+        header); a file may still turn out corrupt when read.
+        """
+        return held_replica_paths(self.storage_dir, owner_rank=self.recv_from, holder_rank=self.rank)
+
+    def _beyond_keep(self) -> list[Path]:
+        # The holder keeps the ``keep`` highest steps it received.  An owner commits a step
+        # only once its holder acknowledged that step's replica, so the owner's newest
+        # committed step is among them (unless ``keep`` saves in a row failed locally on the
+        # owner after replicating).
+        assert self.keep is not None
+        held = self.held_replicas()
+        return [held[step] for step in sorted(held, reverse=True)[self.keep :]]
+
     async def _delete_retired(self) -> None:
         # One at a time, so that a cancellation leaves the rest listed (the sweep at the
         # next start-up removes whatever a crash leaves: they carry temp-file names).
@@ -527,6 +563,32 @@ class ReplicationStager:
             self._phase = ReplicationPhase.ACKNOWLEDGED
             raise
         self._phase = ReplicationPhase.ACKNOWLEDGED
+
+
+def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) -> dict[int, Path]:
+    """Replica files of ``owner_rank`` kept by ``holder_rank`` in ``storage_dir``, by step (blocking).
+
+    Step-named files by their name; the single file kept without ``keep`` by its header's
+    step (skipped when its prefix is invalid).
+    """
+    prefix = replica_path(storage_dir, owner_rank=owner_rank, holder_rank=holder_rank).name[: -len(".astage")]
+    pattern = re.compile(re.escape(prefix) + r"-step([0-9]{10,19})\.astage\Z")
+    found: dict[int, Path] = {}
+    try:
+        with os.scandir(storage_dir) as listing:
+            entries = [e for e in listing if e.is_file(follow_symlinks=False)]
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is not None:
+            found[int(match.group(1))] = Path(entry.path)
+        elif entry.name == prefix + ".astage":
+            try:
+                found.setdefault(inspect_replica(entry.path).step, Path(entry.path))
+            except (OSError, IntegrityError) as exc:
+                log.warning("ignoring the held replica %s: %s", entry.path, exc)
+    return found
 
 
 def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
@@ -597,8 +659,10 @@ class _StreamingSink:
     Nothing is renamed into place before the whole body has been verified.
     """
 
-    def __init__(self, path: Path, owner_rank: int, inbox: BufferPool) -> None:
-        self.writer = ReplicaWriter(path)
+    def __init__(
+        self, path: Path, owner_rank: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
+    ) -> None:
+        self.writer = ReplicaWriter(path, open_dir=open_dir)
         self.owner_rank = owner_rank
         self.inbox = inbox
         self.lease: Lease | None = None

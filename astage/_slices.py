@@ -14,9 +14,10 @@ tensors).  Collection resumes between slices, so nothing is deferred for long.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TypeVar
 
 import anyio
@@ -63,3 +64,19 @@ async def run_steps(steps: Steps[T]) -> T:
         if finished:
             return value  # type: ignore[return-value]
         await anyio.lowlevel.checkpoint()
+
+
+def within(context: Callable[[], contextlib.AbstractContextManager[object]], steps: Steps[T]) -> Steps[T]:
+    """``steps`` with each slice run inside a fresh ``context()``, left before every yield.
+
+    Thread-local modes (``torch.no_grad``, ``torch.inference_mode``) must not stay set
+    while a computation is suspended: other tasks on the same loop thread run meanwhile,
+    and would run under them.
+    """
+    while True:
+        with context():
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+        yield

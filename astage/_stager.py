@@ -12,7 +12,11 @@ Invariants:
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
   buffer is back in the pool before it returns, and no thread or device copy still writes
   into it.  The stager stays usable.
-* ``aclose()`` is idempotent, waits for in-flight stages and releases every idle buffer.
+* ``aclose()`` is idempotent and cancellable: it wakes every stage waiting for buffers
+  (they raise :class:`ClosedError`), waits for the stages already copying, and releases
+  every idle buffer.
+* A stager serves one event loop at a time; a call from a second loop while the first is
+  using it raises :class:`EventLoopError` instead of deadlocking.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
@@ -33,12 +38,27 @@ import torch
 
 from ._compat import refuse_torch_caller
 from ._copy import Batch, copy_in_threads, enqueue_device_copies, iter_batches, iter_pairs, run_batch
-from ._errors import ClosedError
-from ._events import Strategy, wait_event
-from ._options import ResolvedOptions, StagingOptions, coerce_options
-from ._plan import PlannedSource, StagePlan, iter_plan, iter_rebuild, iter_tensors, make_tensor
+from ._errors import ClosedError, EventLoopError, UnsupportedInputError
+from ._events import STRATEGIES, Strategy, wait_event
+from ._options import (
+    ResolvedOptions,
+    StagingOptions,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    coerce_options,
+)
+from ._plan import (
+    PlannedSource,
+    StagePlan,
+    iter_plan,
+    iter_rebuild,
+    iter_tensor_paths,
+    make_tensor,
+    plain_tensor_mode,
+)
 from ._pool import BufferKind, BufferPool, Lease, PoolStats
-from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps
+from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps, within
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
@@ -125,7 +145,10 @@ class DefaultStager:
     :param config: the same as ``options``, under torch's ``DefaultStager`` keyword.
     :param threads: worker threads for CPU copies and buffer allocation.
     :param event_strategy: how device events are awaited (``"poll"`` or ``"thread"``).
-    :raises ConfigurationError: an option cannot work on this machine.
+    :raises ConfigurationError: an argument has the wrong type or value, or an option
+        cannot work on this machine.
+
+    A stager serves one event loop at a time (see :class:`EventLoopError`).
     """
 
     def __init__(
@@ -138,6 +161,10 @@ class DefaultStager:
         _strict: bool = False,
         _retain_buffers: bool = True,
     ) -> None:
+        check_positive_int(f"{type(self).__name__}(threads=...)", threads)
+        check_choice(f"{type(self).__name__}(event_strategy=...)", event_strategy, STRATEGIES)
+        check_bool(f"{type(self).__name__}(_strict=...)", _strict)
+        check_bool(f"{type(self).__name__}(_retain_buffers=...)", _retain_buffers)
         self.options = coerce_options(options, config)
         self._resolved: ResolvedOptions = self.options.resolve()
         r = self._resolved
@@ -158,6 +185,11 @@ class DefaultStager:
         self._idle: anyio.Event | None = None
         self._closed = False
         self.last_stats: StageStats | None = None
+        # Which event loop uses the stager, and how many of its calls are running: taken
+        # and checked under a lock, as two loops in two threads may call at once.
+        self._loop_lock = threading.Lock()
+        self._loop: object = None
+        self._loop_users = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -178,15 +210,52 @@ class DefaultStager:
         return self._closed
 
     async def aclose(self) -> None:
-        """Wait for in-flight stages, then release every idle buffer; idempotent."""
+        """Release every idle buffer, wake stages waiting for buffers, wait for the others.
+
+        Idempotent.  A stage still waiting for room under ``max_staging_bytes`` (or not yet
+        at its buffers) raises :class:`ClosedError`; a stage already copying finishes, and
+        this waits for it.  Cancelling this wait leaves the stager closed and releases
+        nothing twice: those stages hand their buffers to nobody when they end.
+
+        :raises EventLoopError: another event loop is using the stager.
+        """
         if self._closed:
             return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
+        with self._one_loop("aclose()"):
+            self._closed = True
+            # Closing the pool first wakes every waiter; waiting for in-flight stages first
+            # hung forever when one waited for room that only its caller could free (issue 9).
+            await self._pool.aclose()
             while self._inflight:
                 self._idle = self._idle or anyio.Event()
                 await self._idle.wait()
-            await self._pool.aclose()
+
+    @contextlib.contextmanager
+    def _one_loop(self, call: str) -> Iterator[None]:
+        """Count a call of this stager's, refusing it if another event loop is using it.
+
+        Between uses the stager may move to another loop: the loop-bound primitives made
+        under the previous one (thread limiter, wake-up events) are dropped then.
+        """
+        loop = anyio.lowlevel.current_token().native_token
+        with self._loop_lock:
+            if self._loop_users and self._loop is not loop:
+                raise EventLoopError(
+                    f"{call} was called from a second event loop while another is using this "
+                    f"{type(self).__name__}: a stager serves one event loop at a time; "
+                    "create one stager per event loop (per thread)"
+                )
+            if self._loop is not loop:
+                self._limiter = None
+                self._idle = None
+                self._pool.forget_loop()
+                self._loop = loop
+            self._loop_users += 1
+        try:
+            yield
+        finally:
+            with self._loop_lock:
+                self._loop_users -= 1
 
     def pool_stats(self) -> PoolStats:
         """Memory held by this stager's buffer pool."""
@@ -218,16 +287,18 @@ class DefaultStager:
         """
         if self._closed:
             raise ClosedError("stage() called on a closed stager")
-        self._inflight += 1
-        try:
-            return await self._stage(state_dict)
-        finally:
-            self._inflight -= 1
-            if not self._inflight and self._idle is not None:
-                self._idle.set()
-                self._idle = None
+        with self._one_loop("stage()"):
+            self._inflight += 1
+            try:
+                return await self._stage(state_dict)
+            finally:
+                self._inflight -= 1
+                if not self._inflight and self._idle is not None:
+                    self._idle.set()
+                    self._idle = None
 
     async def _run(self, steps: Steps[Any]) -> Any:
+        steps = within(plain_tensor_mode, steps)
         return await run_steps(steps) if self._resolved.async_copy else drive(steps)
 
     async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
@@ -236,7 +307,10 @@ class DefaultStager:
         plan = source.plan
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
-        lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
+        try:
+            lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
+        except ClosedError as exc:
+            raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
         staged_locals: list[torch.Tensor] | None = None
         host = device = None
         try:
@@ -317,18 +391,34 @@ class DefaultStager:
 
         The copy's tensors are emptied (``set_()``), so a stale reference can never observe
         a later checkpoint.  Buffers also come back on their own once every reference to the
-        copy is dropped; this only makes it immediate.
+        copy is dropped; this only makes it immediate.  Releasing the same copy again does
+        nothing (its tensors are empty); on a closed stager this does nothing either, as
+        closing let go of every buffer.
 
-        :raises UnsupportedInputError: ``staged`` is not a tree of tensors.
+        :raises UnsupportedInputError: ``staged`` holds a tensor with data that this stager
+            did not stage (names its key path); nothing is released then.
+        :raises EventLoopError: another event loop is using the stager.
         """
-        tensors: list[torch.Tensor] = await run_steps(iter_tensors(staged))
-        ours = self._pool.handed_out_storages()
-        with torch.no_grad():
-            for tensor in tensors:
-                if tensor.untyped_storage()._cdata in ours:
-                    tensor.set_()  # type: ignore[call-overload]
-        del tensors
-        self._pool.reclaim()
+        if self._closed:
+            return
+        with self._one_loop("release()"):
+            found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
+            ours = self._pool.handed_out_storages()
+            for path, tensor in found:
+                # An empty storage is a tensor released before (or one with no data at all).
+                # (No local names the storage: it would keep the buffer from coming back.)
+                if tensor.untyped_storage()._cdata not in ours and tensor.untyped_storage().nbytes():
+                    raise UnsupportedInputError(
+                        path,
+                        f"release() got a tensor that this {type(self).__name__} did not stage "
+                        "(a source tensor, or another stager's copy); nothing was released",
+                    )
+            with plain_tensor_mode():
+                for _, tensor in found:
+                    if tensor.untyped_storage()._cdata in ours:
+                        tensor.set_()  # type: ignore[call-overload]
+            del found
+            self._pool.reclaim()
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
@@ -355,6 +445,8 @@ class BlockingStager(DefaultStager):
     """
 
     def __init__(self, cache_staged_state_dict: bool = False, type_check: bool = False) -> None:
+        check_bool("BlockingStager(cache_staged_state_dict=...)", cache_staged_state_dict)
+        check_bool("BlockingStager(type_check=...)", type_check)
         super().__init__(
             StagingOptions(
                 use_pinned_memory=None if cache_staged_state_dict else False,

@@ -14,6 +14,13 @@ rank runs:
 * ``torch _ReplicationStager``: torch's reference stager (pickled metadata, one message per
   tensor, ``torch.save`` and fsync), with its own temp storage directory.
 
+and (c) ``restore``: the time to restore a lost rank.  Both ranks save the ``gpt2-like``
+state through a Checkpointer replicated to the other; rank 1 then loses its whole directory
+(checkpoints and the replicas it held) and both call ``restore()``, collectively, rank 1
+receiving its state from rank 0 (read from disk, sent, verified and written durably as it
+lands, committed).  It is compared with the floor for the same bytes: a raw one-way gloo
+send from rank 0 to rank 1 plus a raw write+fsync on rank 1.
+
 One untimed warm-up round comes first.  A round's time for a method is the slower rank's
 (replication is collective); the table shows medians over rounds, and the ratios are medians
 of per-round ratios, since this machine's memory and disk bandwidth swing a lot over tens of
@@ -88,6 +95,12 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "gpt2-like": [("x raw", "<=", 1.0), ("x faster", ">=", 3.0)],
     "small-20k": [("x faster", ">=", 15.0)],
 }
+RESTORE = "restore"
+RESTORE_T, RAW_SEND = "astage restore (lost rank)", "raw send (holder -> lost rank)"
+RESTORE_SUM = "raw send + raw write+fsync"
+RESTORE_METHODS = [RESTORE_T, RAW_SEND, RAW_W]
+RESTORE_BOUND = 1.3
+"""Target: restoring a lost rank costs at most this times the raw send plus write+fsync."""
 TIMEOUT_S = 600.0
 HEADERS = ["method", "median s", "min s", "GB/s", "x astage"]
 
@@ -190,6 +203,92 @@ async def rank_main(rank: int, world: int, cases: list[str], scale: float, runs:
         del methods, state_dict
         gc.collect()
     return out
+
+
+async def restore_main(rank: int, world: int, scale: float, runs: int, root: str) -> Any:
+    """One rank of the ``restore`` case: a warm-up round, then ``runs`` rounds of each method."""
+    import shutil as _shutil
+
+    state_dict = gpt2_like_state_dict(scale)
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in distinct_storages(state_dict)])
+    inbox = torch.empty_like(flat)
+    node = Path(root) / RESTORE / f"node{rank}"
+    lost, holder = 1, 0
+
+    def job() -> tuple[astage.ReplicationStager, astage.Checkpointer]:
+        rs = astage.ReplicationStager(storage_dir=node / "replicas", keep=1, timeout=TIMEOUT_S)
+        return rs, astage.Checkpointer(node / "ckpt", rank=rank, keep=1, replication=rs)
+
+    rs, ckpt = job()
+    async with rs, ckpt:
+        await (await ckpt.save(1, state_dict)).wait()
+    times: dict[str, list[float]] = {m: [] for m in RESTORE_METHODS}
+    for r in range(runs + 1):
+        dist.barrier()
+        if rank == lost:
+            _shutil.rmtree(node)
+        rs, ckpt = job()
+        async with rs, ckpt:
+            dist.barrier()
+            start = clock()
+            restored = await ckpt.restore()
+            elapsed = clock() - start
+        del restored
+        gc.collect()
+        dist.barrier()
+        start = clock()
+        work = dist.isend(flat, dst=lost) if rank == holder else dist.irecv(inbox, src=holder)
+        if work is not None:
+            work.wait()
+        sent = clock() - start
+        written = 0.0
+        if rank == lost:
+            path = node.parent / "raw.bin"
+            start = clock()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = inbox.numpy().data
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            written = clock() - start
+            path.unlink()
+        if r:
+            times[RESTORE_T].append(elapsed)
+            times[RAW_SEND].append(sent)
+            times[RAW_W].append(written)
+    return {"bytes": nbytes(state_dict), "tensors": sum(1 for _ in iter_tensors(state_dict)), "times": times}
+
+
+def report_restore(per_rank: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """The ``restore`` case's table and target; a round takes as long as its slower rank."""
+    runs_s = {
+        m: [max(ts) for ts in zip(*(r["times"][m] for r in per_rank), strict=True)] for m in RESTORE_METHODS
+    }
+    runs_s[RESTORE_SUM] = [x + w for x, w in zip(runs_s[RAW_SEND], runs_s[RAW_W], strict=True)]
+    size = per_rank[0]["bytes"]
+    rows = [
+        [m, f"{median(runs_s[m]):.4f}", f"{min(runs_s[m]):.4f}", f"{size / median(runs_s[m]) / 1e9:.2f}"]
+        for m in [RESTORE_T, RAW_SEND, RAW_W, RESTORE_SUM]
+    ]
+    value = median([a / b for a, b in zip(runs_s[RESTORE_T], runs_s[RESTORE_SUM], strict=True)])
+    ok = value <= RESTORE_BOUND
+    name = f"astage restore / ({RESTORE_SUM})"
+    text = "\n".join(
+        [
+            f"(restore) a lost rank's {size / 1e6:.1f} MB in {per_rank[0]['tensors']} tensors, world size 2",
+            format_table(["method", "median s", "min s", "GB/s"], rows),
+            "",
+            format_table(
+                ["target", "value", "bound", ""],
+                [[name, f"{value:.2f}x", f"<= {RESTORE_BOUND}x", "PASS" if ok else "MISS"]],
+            ),
+        ]
+    )
+    checks = [{"target": name, "value": value, "bound": f"<= {RESTORE_BOUND}", "pass": ok}]
+    return text, checks, {"case": RESTORE, "bytes": size, "runs_s": runs_s}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=None, help="timed rounds per method (5)")
     parser.add_argument(
-        "--case", choices=list(CASES), action="append", help="run only this case (repeatable)"
+        "--case", choices=[*CASES, RESTORE], action="append", help="run only this case (repeatable)"
     )
     parser.add_argument("--dir", type=Path, default=None, help="where the ranks write (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
@@ -311,7 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scale = args.scale if args.scale is not None else 0.01 if args.quick else default_scale()
     runs = args.runs if args.runs is not None else 2 if args.quick else 5
-    cases = args.case or list(CASES)
+    cases = args.case or [*CASES, RESTORE]
+    replication_cases = [c for c in cases if c != RESTORE]
 
     root = Path(tempfile.mkdtemp(prefix="astage-bench-repl-", dir=args.dir))
     print(
@@ -320,13 +420,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     try:
-        ranks = run_group(2, rank_main, cases, scale, runs, str(root), timeout=TIMEOUT_S * 2)
-        per_rank = [r.unwrap() for r in ranks]
+        per_rank: list[Any] = []
+        if replication_cases:
+            ranks = run_group(2, rank_main, replication_cases, scale, runs, str(root), timeout=TIMEOUT_S * 2)
+            per_rank = [r.unwrap() for r in ranks]
+        restore_per_rank: list[Any] = []
+        if RESTORE in cases:
+            ranks = run_group(2, restore_main, scale, runs, str(root), timeout=TIMEOUT_S * 2)
+            restore_per_rank = [r.unwrap() for r in ranks]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     payload: dict[str, Any] = {"scale": scale, "runs": runs, "environment": environment()}
     payload |= {"results": [], "targets": {}}
-    for case in cases:
+    for case in replication_cases:
         result = combine(case, per_rank)
         text, checks = report(result)
         floor_text, floor_checks = report_floor(result)
@@ -334,6 +440,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks += floor_checks
         payload["results"].append(dataclasses.asdict(result))
         payload["targets"][case] = checks
+    if restore_per_rank:
+        text, checks, result_doc = report_restore(restore_per_rank)
+        print(text, end="\n\n", flush=True)
+        payload["results"].append(result_doc)
+        payload["targets"][RESTORE] = checks
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))

@@ -90,6 +90,9 @@ def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
         assert "astage / overlap floor (issue 11)" in names
     small = {t["target"] for t in payload["targets"]["small-20k"]}
     assert "torch _ReplicationStager / astage (issue 11)" in small
+    for row in ("astage restore (lost rank)", "raw send (holder -> lost rank)", "raw send + raw write+fsync"):
+        assert row in done.stdout
+    assert set(results) == {"gpt2-like", "small-20k", "restore"}
 
 
 def test_bench_gpu_without_cuda_says_so_and_exits_cleanly() -> None:

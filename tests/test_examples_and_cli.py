@@ -40,20 +40,44 @@ def test_async_training_loop_example() -> None:
     assert "heartbeat lag during stage() only (1 ms beat; training steps excluded)" in done.stdout
 
 
-def test_replication_example_under_torchrun(tmp_path: Path) -> None:
+def test_replication_example_loses_a_node_restarts_and_resumes_bit_exact(tmp_path: Path) -> None:
     done = run(
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "examples/replication_torchrun.py", "--steps", "2", "--directory", str(tmp_path),
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        "examples/replication_torchrun.py", "--steps", "2", "--lose-rank", "1", "--directory", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "rank 0: recovered its step-2 state from rank 1's disk" in done.stdout
-    assert "rank 1: recovered its step-2 state from rank 0's disk" in done.stdout
+    assert "rank 1: lost its node" in done.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed from step 2, bit-exact" in done.stdout
+        assert f"rank {rank}/2 step 4: committed" in done.stdout  # it saved again after resuming
+    assert sorted(p.name for p in (tmp_path / "node1" / "ckpt").iterdir() if p.is_dir()) == [
+        "step_0000000003",
+        "step_0000000004",
+    ]
+
+
+def test_replication_example_without_torchrun_says_how_to_launch_it() -> None:
+    done = run("examples/replication_torchrun.py")
+    assert done.returncode == 2
+    assert "torchrun --nproc-per-node 2" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_cli_demo_runs_with_no_arguments() -> None:
     done = run("-m", "astage", "demo")
     assert done.returncode == 0, done.stderr
     assert "all checks passed" in done.stdout
+
+
+def test_cli_demo_runs_again_on_the_same_directory_with_a_directory_per_rank(tmp_path: Path) -> None:
+    for _ in range(2):
+        done = run("-m", "astage", "demo", "--steps", "2", "--every", "1", "--directory", str(tmp_path))
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "all checks passed" in done.stdout
+    runs = list(tmp_path.iterdir())
+    assert len(runs) == 2
+    for run_dir in runs:  # no path shared between the ranks: one node directory each
+        assert sorted(p.name for p in run_dir.iterdir()) == ["node0", "node1"]
 
 
 @pytest.mark.parametrize("argv", [["--help"], *([c, "--help"] for c in ("demo", "inspect", "ls", "bench"))])
