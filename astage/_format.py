@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import binascii
 import collections
 import dataclasses
 import functools
@@ -41,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import crc32c
+import numpy as np
 import torch
 
 from ._errors import Attr, ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError, format_key_path
@@ -57,15 +59,19 @@ from ._plan import (
     TensorKind,
     TensorNode,
     TensorSpec,
-    plan_state_dict,
+    _Planner,
     rebuild,
 )
+from ._slices import drive
 
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every replica."""
 
-FORMAT_VERSION: Final = 1
-"""The only layout version this module reads and writes."""
+FORMAT_VERSION: Final = 2
+"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list)."""
+
+READ_VERSIONS: Final = frozenset({1, 2})
+"""The layout versions this module reads; a version-1 header may use only version-1 nodes."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""
@@ -115,8 +121,43 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
 }
 """The dtype allow-list: header names to torch dtypes.  Nothing else is read or written."""
 
+NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
+        *("float16", "float32", "float64", "complex64", "complex128"),
+    )
+}
+"""numpy dtypes of the arrays and scalars a replica holds (each is also a torch dtype)."""
+
+_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
+    **DTYPES,
+    **{
+        name: getattr(torch, name)
+        for name in (
+            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
+            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
+            *(f"int{n}" for n in range(1, 8)),
+            *(f"uint{n}" for n in range(1, 8)),
+        )
+        if isinstance(getattr(torch, name, None), torch.dtype)
+    },
+}
+"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
+object is only a name."""
+
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
-_KINDS: Final = {"tensor": TensorKind.TENSOR, "parameter": TensorKind.PARAMETER}
+_TORCH_DTYPE_LEAF_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPE_LEAVES.items()}
+_NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
+_KINDS: Final = {
+    "tensor": TensorKind.TENSOR,
+    "parameter": TensorKind.PARAMETER,
+    "ndarray": TensorKind.NDARRAY,
+}
+_KIND_NAMES: Final = {kind: name for name, kind in _KINDS.items()}
+_V2_KINDS: Final = frozenset({TensorKind.NDARRAY})
+_V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
+_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 _NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _SCALARS: Final = (type(None), bool, int, float, str)
 _NAN_KEY: Final = ["float", "nan"]
@@ -292,7 +333,90 @@ def _without_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 # -- encoding -----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReplicaLayout:
+    """A staged state_dict checked and laid out as a replica: everything but the checksums.
+
+    :func:`lay_out` makes every check that can refuse a value; :meth:`encode` then only
+    checksums the storages and joins the bytes.  Splitting the two lets a caller refuse
+    bad input at once, before the costly part runs in the background (the Checkpointer
+    lays out inside ``save()``).  The layout views the staged storages, like
+    :class:`Encoded`.
+    """
+
+    head_json: str
+    """The header JSON without its storage table (a closed JSON object)."""
+    storages: tuple[torch.UntypedStorage, ...]
+    offsets: tuple[int, ...]
+    body_nbytes: int
+
+    @_without_gc
+    def encode(self) -> Encoded:
+        """Checksum every storage and return the replica's bytes.
+
+        CPU-bound, releases the GIL on large buffers; async callers run it in a worker thread.
+        """
+        segments = []
+        table = []
+        for offset, storage in zip(self.offsets, self.storages, strict=True):
+            data = _storage_bytes(storage)
+            segments.append((offset, data))
+            table.append(f"[{offset},{storage.nbytes()},{crc32c.crc32c(data.numpy().data)}]")
+        # The table goes in as text: the rest of the header was serialised by lay_out.
+        header = f'{self.head_json[:-1]},"storages":[{",".join(table)}]}}'
+        return Encoded(_prefix_bytes(header), tuple(segments), self.body_nbytes)
+
+
 @_without_gc
+def lay_out(
+    staged_state_dict: Any,
+    *,
+    owner_rank: int,
+    step: int,
+    checkpoint_id: str,
+    holder_rank: int | None = None,
+    created: float | None = None,
+) -> ReplicaLayout:
+    """Check a staged (CPU) state_dict against the format and lay it out (see :func:`encode`).
+
+    Walks the tree once; pure Python, no checksums: tens of milliseconds for 20,000
+    tensors, so async callers run it in a worker thread.
+
+    :raises UnsupportedInputError: as :func:`encode`.
+    :raises ConfigurationError: as :func:`encode`.
+    """
+    created = float(time.time() if created is None else created)
+    _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
+    planner = _ReplicaPlanner()
+    root = drive(planner.walk(staged_state_dict, ()))
+    plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
+    tree = _TreeEncoder(plan).node(plan.root, (), 0)
+    offsets = []
+    end = 0
+    for spec in plan.storages:
+        offsets.append(_align(end))
+        end = offsets[-1] + spec.nbytes
+    doc = {
+        "format": FORMAT_VERSION,
+        "owner_rank": owner_rank,
+        "holder_rank": holder_rank,
+        "step": step,
+        "checkpoint_id": checkpoint_id,
+        "created": created,
+        "body_nbytes": end,
+        "tensors": [_tensor_entry(spec) for spec in plan.tensors],
+        "tree": tree,
+    }
+    head_json = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    # The longest storage table the checksums can make: 10 digits each.
+    table = sum(
+        len(f"[{offset},{spec.nbytes},0000000000],")
+        for offset, spec in zip(offsets, plan.storages, strict=True)
+    )
+    _check_header_len(len(head_json) + len(',"storages":[]') + table)
+    return ReplicaLayout(head_json, tuple(planner.storage_objs), tuple(offsets), end)
+
+
 def encode(
     staged_state_dict: Any,
     *,
@@ -306,43 +430,70 @@ def encode(
 
     Checksums every storage: CPU-bound, releases the GIL on large buffers; async callers
     run it in a worker thread.  The result views the staged storages, so they must not
-    change until the replica is written or sent.
+    change until the replica is written or sent.  :func:`lay_out` plus
+    :meth:`ReplicaLayout.encode`.
+
+    A replica holds dicts, OrderedDicts, lists, tuples and namedtuples of: tensors and
+    Parameters (CPU, allow-listed dtypes), numpy arrays and scalars of
+    :data:`NUMPY_DTYPES`, ``None``, bools, ints, floats, complex numbers, strs, bytes,
+    ``torch.Size``, ``torch.dtype`` and ``torch.device`` (see ``docs/format.md``).
 
     :param created: timestamp to record; default now.
     :raises UnsupportedInputError: a value the format cannot hold (names its key path), a
         tensor not on the CPU, or a header over :data:`HEADER_CAP`.
     :raises ConfigurationError: a rank, step or id out of range.
     """
-    created = float(time.time() if created is None else created)
-    _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
-    source = plan_state_dict(staged_state_dict, strict=True, allowed_devices=frozenset({"cpu"}))
-    plan = source.plan
-    tree = _TreeEncoder(plan).node(plan.root, (), 0)
-    tensors = [_tensor_entry(spec) for spec in plan.tensors]
-    segments: list[tuple[int, torch.Tensor]] = []
-    storage_entries = []
-    end = 0
-    for storage in source.storages:
-        offset = _align(end)
-        data = _storage_bytes(storage)
-        nbytes = storage.nbytes()
-        segments.append((offset, data))
-        storage_entries.append([offset, nbytes, crc32c.crc32c(data.numpy().data)])
-        end = offset + nbytes
-    doc = {
-        "format": FORMAT_VERSION,
-        "owner_rank": owner_rank,
-        "holder_rank": holder_rank,
-        "step": step,
-        "checkpoint_id": checkpoint_id,
-        "created": created,
-        "body_nbytes": end,
-        "storages": storage_entries,
-        "tensors": tensors,
-        "tree": tree,
-    }
-    prefix = _prefix_bytes(json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")))
-    return Encoded(prefix, tuple(segments), end)
+    return lay_out(
+        staged_state_dict,
+        owner_rank=owner_rank,
+        step=step,
+        checkpoint_id=checkpoint_id,
+        holder_rank=holder_rank,
+        created=created,
+    ).encode()
+
+
+class _ReplicaPlanner(_Planner):
+    """The planner of :func:`lay_out`: strict, CPU only, numpy arrays and scalars as leaves.
+
+    A numpy array becomes a tensor entry of kind ``ndarray`` over its own storage: the
+    array itself when it is C- or Fortran-contiguous, writable and in native byte order,
+    else a C-contiguous native copy.  The same array object met twice is one entry met
+    twice; distinct arrays never share a storage, even where their memory overlaps.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(strict=True, allowed_devices=frozenset({"cpu"}))
+        self.arrays: dict[int, TensorNode] = {}
+
+    def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
+        if isinstance(x, np.generic):
+            return AtomNode(x)  # the tree encoder checks its dtype
+        if cls is np.ndarray:
+            return self.array(x, path)
+        return super().leaf(x, cls, path)
+
+    def array(self, x: np.ndarray[Any, Any], path: KeyPath) -> TensorNode:
+        known = self.arrays.get(id(x))
+        if known is not None:
+            return known
+        if _NUMPY_NAMES.get((x.dtype.kind, x.dtype.itemsize)) is None or x.dtype.fields is not None:
+            raise UnsupportedInputError(
+                path, f"numpy dtype {x.dtype} cannot be stored in a replica (only {', '.join(NUMPY_DTYPES)})"
+            )
+        if x.ndim > MAX_NDIM:
+            raise UnsupportedInputError(
+                path, f"{x.ndim} dimensions, the replica format holds at most {MAX_NDIM}"
+            )
+        data = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+        if not ((data.flags.c_contiguous or data.flags.f_contiguous) and data.flags.writeable):
+            # torch.from_numpy needs non-negative strides and warns on read-only arrays.
+            data = np.array(data, order="F" if data.flags.f_contiguous else "C")
+        node = self.new_tensor(torch.from_numpy(data), path)
+        self.tensors[node.position] = self.tensors[node.position]._replace(kind=TensorKind.NDARRAY)
+        self.arrays[id(x)] = node
+        self.keepalive.append(x)  # ids stay unique only while the objects live
+        return node
 
 
 def _check_meta(
@@ -364,12 +515,16 @@ def _check_meta(
         raise ConfigurationError(f"created must be a finite timestamp, got {created!r}")
 
 
+def _check_header_len(nbytes: int) -> None:
+    if nbytes > HEADER_CAP:
+        raise UnsupportedInputError(
+            (), f"the replica header would be {nbytes} bytes, over the {HEADER_CAP}-byte cap"
+        )
+
+
 def _prefix_bytes(header_json: str) -> bytes:
     body = header_json.encode("ascii")
-    if len(body) > HEADER_CAP:
-        raise UnsupportedInputError(
-            (), f"the replica header would be {len(body)} bytes, over the {HEADER_CAP}-byte cap"
-        )
+    _check_header_len(len(body))
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body)) + body
     head += _CRC.pack(crc32c.crc32c(head))
     return head + bytes(_align(len(head)) - len(head))
@@ -382,7 +537,7 @@ def _tensor_entry(spec: TensorSpec) -> list[Any]:
         list(spec.size),
         list(spec.stride),
         spec.offset,
-        "parameter" if spec.kind is TensorKind.PARAMETER else "tensor",
+        _KIND_NAMES.get(spec.kind, "tensor"),  # a DTensor is stored as its local tensor
         spec.requires_grad,
     ]
     if spec.kind is TensorKind.DTENSOR:
@@ -404,6 +559,38 @@ def _scalar(value: Any) -> Any:
     if cls not in _SCALARS:
         raise TypeError(f"{cls.__qualname__} is not JSON-representable")
     return value
+
+
+def _leaf(value: Any) -> Any:
+    """The JSON form of a leaf value (docs/format.md, tree nodes), or raise TypeError/ValueError.
+
+    Exact: numpy scalars are stored as their bits, so NaN payloads and -0.0 survive too.
+    """
+    cls = type(value)
+    if cls in _SCALARS:
+        return _scalar(value)
+    if cls is bytes:
+        return ["bytes", binascii.b2a_base64(value, newline=False).decode("ascii")]
+    if cls is complex:
+        return ["complex", _scalar(value.real), _scalar(value.imag)]
+    if cls is torch.Size:
+        if len(value) > MAX_NDIM or not all(-_INT64 <= n < _INT64 for n in value):
+            raise ValueError(f"a torch.Size must hold at most {MAX_NDIM} 64-bit ints")
+        return ["size", list(value)]
+    if cls is torch.dtype:
+        name = _TORCH_DTYPE_LEAF_NAMES.get(value)
+        if name is None:
+            raise ValueError(f"{value} is not a dtype a replica can name")
+        return ["dtype", name]
+    if cls is torch.device:
+        return ["device", value.type, value.index]
+    if isinstance(value, np.generic):
+        name = _NUMPY_NAMES.get((value.dtype.kind, value.dtype.itemsize))
+        if name is None or value.dtype.fields is not None:
+            raise TypeError(f"numpy {value.dtype} scalars are not stored (only {', '.join(NUMPY_DTYPES)})")
+        little = NUMPY_DTYPES[name].newbyteorder("<")
+        return ["numpy", name, int.from_bytes(np.asarray(value, dtype=little).tobytes(), "little")]
+    raise TypeError(f"{cls.__qualname__} is not a value a replica holds")
 
 
 def _attr_name_ok(name: object) -> bool:
@@ -452,7 +639,7 @@ class _TreeEncoder:
                 return ["tensor", index]
             case AtomNode(value):
                 try:
-                    return _scalar(value)
+                    return _leaf(value)
                 except (TypeError, ValueError) as exc:
                     raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
             case RefNode(memo):
@@ -560,9 +747,9 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
     magic, version, header_len = _FIXED.unpack(bytes(fixed[:FIXED_PREFIX_NBYTES]))
     if magic != MAGIC:
         raise IntegrityError(f"not an astage replica: magic {magic!r}")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise IntegrityError(
-            f"unsupported replica format version {version} (this astage reads {FORMAT_VERSION})"
+            f"unsupported replica format version {version} (this astage reads {sorted(READ_VERSIONS)})"
         )
     if header_len > HEADER_CAP:
         raise IntegrityError(f"header length {header_len} is over the {HEADER_CAP}-byte cap")
@@ -579,7 +766,8 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
     total = prefix_nbytes(view)
     if len(view) < total:
         raise IntegrityError(f"truncated: the prefix is {total} bytes, only {len(view)} available")
-    header_end = FIXED_PREFIX_NBYTES + _FIXED.unpack(bytes(view[:FIXED_PREFIX_NBYTES]))[2]
+    _, version, header_len = _FIXED.unpack(bytes(view[:FIXED_PREFIX_NBYTES]))
+    header_end = FIXED_PREFIX_NBYTES + header_len
     (stored,) = _CRC.unpack(view[header_end : header_end + _CRC.size])
     if crc32c.crc32c(view[:header_end]) != stored:
         raise IntegrityError("header checksum mismatch")
@@ -593,7 +781,7 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         )
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
-    return _HeaderParser(total).parse(doc)
+    return _HeaderParser(total, version).parse(doc)
 
 
 def _reject_constant(name: str) -> Any:
@@ -662,6 +850,68 @@ def _where(path: KeyPath) -> str:
     return f"tree at {format_key_path(path):.200}"
 
 
+def _float_part(raw: Any) -> float | None:
+    if type(raw) is float:
+        return raw
+    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
+        return _NONFINITE[raw[1]]
+    return None
+
+
+def _bytes_leaf(text: Any) -> bytes | None:
+    if type(text) is not str:
+        return None
+    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+
+
+def _complex_leaf(real: Any, imag: Any) -> complex | None:
+    parts = _float_part(real), _float_part(imag)
+    return None if None in parts else complex(*parts)
+
+
+def _size_leaf(dims: Any) -> torch.Size | None:
+    if type(dims) is not list or len(dims) > MAX_NDIM:
+        return None
+    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
+        return None
+    return torch.Size(dims)
+
+
+def _dtype_leaf(name: Any) -> torch.dtype | None:
+    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
+
+
+def _device_leaf(kind: Any, index: Any) -> torch.device | None:
+    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
+        return None
+    if index is None:
+        return torch.device(kind)
+    if type(index) is not int or not 0 <= index < 1 << 15:
+        return None
+    return torch.device(kind, index)  # RuntimeError for a type torch does not know
+
+
+def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
+    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
+    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
+        return None
+    if dtype.kind == "b" and bits > 1:
+        return None
+    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
+    return value
+
+
+_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
+    "bytes": _bytes_leaf,
+    "complex": _complex_leaf,
+    "size": _size_leaf,
+    "dtype": _dtype_leaf,
+    "device": _device_leaf,
+    "numpy": _numpy_leaf,
+}
+"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""
+
+
 class _RawTensor(NamedTuple):
     storage: int
     dtype: torch.dtype
@@ -676,16 +926,17 @@ class _RawTensor(NamedTuple):
 class _HeaderParser:
     """Header JSON to :class:`ReplicaHeader`, checking every field."""
 
-    def __init__(self, prefix_len: int) -> None:
+    def __init__(self, prefix_len: int, version: int) -> None:
         self.prefix_len = prefix_len
+        self.version = version
         self.containers = 0
         self.paths: list[KeyPath | None] = []
         self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
 
     def parse(self, doc: Any) -> ReplicaHeader:
         doc = _object(doc, "document", _DOC_KEYS)
-        if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
-            raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
+        if doc["format"] != self.version or type(doc["format"]) is not int:
+            raise _fail("format", f"expected {self.version} (the binary version), got {doc['format']!r:.40}")
         holder = doc["holder_rank"]
         checkpoint_id = doc["checkpoint_id"]
         if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
@@ -722,6 +973,7 @@ class _HeaderParser:
             segments=segments,
             plan=plan,
             dtensors=tuple(t.note for t in raw_tensors),
+            version=self.version,
         )
 
     @staticmethod
@@ -748,8 +1000,7 @@ class _HeaderParser:
             raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
         return tuple(out)
 
-    @staticmethod
-    def tensor(raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
+    def tensor(self, raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
         # Inline checks, no helper calls per dimension: this runs once per tensor.
         if type(raw) is not list or len(raw) not in (7, 8):
             raise _fail(where, f"expected a list of 7 or 8 fields, got {raw!r:.80}")
@@ -784,6 +1035,14 @@ class _HeaderParser:
             raise _fail(where, "requires_grad must be a bool")
         if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise _fail(where, f"a {dtype_name} tensor cannot require grad")
+        if tensor_kind in _V2_KINDS and self.version < 2:
+            raise _fail(where, f"kind {kind} needs format version 2")
+        if tensor_kind is TensorKind.NDARRAY and (
+            dtype_name not in NUMPY_DTYPES or requires_grad or len(raw) == 8
+        ):
+            raise _fail(
+                where, f"an ndarray must have a numpy dtype, no grad and no DTensor note, got {raw!r:.80}"
+            )
         note = None
         if len(raw) == 8:
             dt = _object(raw[7], f"{where} dtensor", _DTENSOR_KEYS)
@@ -800,9 +1059,24 @@ class _HeaderParser:
             return _NONFINITE[raw[1]]
         raise _fail(_where(path), f"expected a JSON scalar, got {raw!r:.80}")
 
+    def leaf(self, raw: list[Any], path: KeyPath) -> Any:
+        """A tagged leaf of format version 2 (``raw[0]`` is in :data:`_V2_LEAVES`)."""
+        tag = raw[0]
+        if self.version < 2:
+            raise _fail(_where(path), f"{tag!r} leaves need format version 2")
+        try:
+            value = _LEAF_DECODERS[tag](*raw[1:])
+        except (TypeError, ValueError, OverflowError, RuntimeError, binascii.Error) as exc:
+            raise _fail(_where(path), f"malformed {tag} leaf {raw!r:.80}: {exc}") from exc
+        if value is None:
+            raise _fail(_where(path), f"malformed {tag} leaf {raw!r:.80}")
+        return value
+
     def node(self, raw: Any, path: KeyPath, depth: int) -> Node:
         if type(raw) is not list or not raw or raw[0] == "float":
             return AtomNode(self.scalar(raw, path))
+        if type(raw[0]) is str and raw[0] in _V2_LEAVES:
+            return AtomNode(self.leaf(raw, path))
         tag = raw[0]
         if tag == "tensor" and len(raw) == 2 and type(raw[1]) is int and 0 <= raw[1] < len(self.paths):
             index = raw[1]

@@ -24,6 +24,7 @@ from astage._format import (
     ALIGNMENT,
     DTYPES,
     FIXED_PREFIX_NBYTES,
+    FORMAT_VERSION,
     HEADER_CAP,
     MAGIC,
     MAX_DEPTH,
@@ -369,18 +370,22 @@ class MyList(list[Any]):
     ("value", "fragment"),
     [
         ({1, 2}, "set"),
-        (b"raw", "bytes"),
-        (1 + 2j, "complex"),
+        (bytearray(b"raw"), "bytearray"),
         (object(), "object"),
         (Config(), "Config"),
         (collections.defaultdict(list), "defaultdict"),
         (MyList([1]), "MyList"),
-        (torch.device("cpu"), "device"),
-        (torch.float32, "dtype"),
-        (np.float64(1.0), "float64"),
-        (np.zeros(2), "ndarray"),
+        (lambda: 0, "function"),
+        (torch.strided, "layout"),
+        (np.longdouble(1.0), "float128"),
+        (np.datetime64("2020-01-01"), "datetime64"),
+        (np.str_("x"), "<U1"),
+        (np.zeros(2, dtype=object), "object"),
+        (np.zeros(2, dtype="U3"), "<U3"),
+        (np.zeros(2, dtype=[("a", "i4")]), "a"),
+        (np.ma.masked_array([1, 2]), "MaskedArray"),
         (10**5000, "too large"),
-        (torch.Size([2]), "Size"),
+        (torch.Size([2] * 65), "Size"),
     ],
     ids=lambda v: type(v).__name__ if not isinstance(v, str) else v,
 )
@@ -598,8 +603,10 @@ def test_wrong_magic_and_version_are_named() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="magic"):
         parse_prefix(b"PK\x03\x04" + data[4:])
-    with pytest.raises(astage.IntegrityError, match="version 2"):
-        parse_prefix(data[:8] + struct.pack("<I", 2) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 3"):
+        parse_prefix(data[:8] + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 0"):
+        parse_prefix(data[:8] + struct.pack("<I", 0) + data[12:])
 
 
 class _Boom:
@@ -611,7 +618,7 @@ class _Boom:
 
 def _forge(header_json: bytes) -> bytes:
     """A prefix around arbitrary header bytes with a correct checksum: a deliberate forgery."""
-    head = MAGIC + struct.pack("<IQ", 1, len(header_json)) + header_json
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header_json)) + header_json
     head += struct.pack("<I", crc32c.crc32c(head))
     return head + bytes(-len(head) % ALIGNMENT)
 
@@ -650,7 +657,8 @@ def _with_attrs(tag: str, attrs: Any) -> dict[str, Any]:
 _HOSTILE = {
     "unknown key": {**_doc(), "extra": 1},
     "missing key": {k: v for k, v in _doc().items() if k != "step"},
-    "format 2": _mutate(("format",), 2),
+    "format 1 in a version-2 prefix": _mutate(("format",), 1),
+    "format 3": _mutate(("format",), 3),
     "owner as str": _mutate(("owner_rank",), "0"),
     "negative holder": _mutate(("holder_rank",), -1),
     "float step": _mutate(("step",), 1.0),

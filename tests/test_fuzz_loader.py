@@ -58,7 +58,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._format import ALIGNMENT, FIXED_PREFIX_NBYTES, HEADER_CAP, MAGIC, decode, encode, parse_prefix
+from astage._format import (
+    ALIGNMENT,
+    FIXED_PREFIX_NBYTES,
+    FORMAT_VERSION,
+    HEADER_CAP,
+    MAGIC,
+    decode,
+    encode,
+    parse_prefix,
+)
 from astage._persist import find_replicas, load_replica_sync
 from astage._replication import _read_replica_file
 from tests.statedicts import ALL_DTYPES, random_tensor, tensors_of
@@ -190,7 +199,7 @@ def _split(data: bytes) -> tuple[Any, bytes] | None:
 
 def forge(header: bytes, body: bytes) -> bytes:
     """A prefix around ``header`` with a correct checksum and padding, then ``body``."""
-    head = MAGIC + struct.pack("<IQ", 1, len(header)) + header
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header
     head += _CRC.pack(crc32c.crc32c(head))
     return head + bytes(-len(head) % ALIGNMENT) + body
 
