@@ -865,8 +865,8 @@ def _bytes_leaf(text: Any) -> bytes | None:
 
 
 def _complex_leaf(real: Any, imag: Any) -> complex | None:
-    parts = _float_part(real), _float_part(imag)
-    return None if None in parts else complex(*parts)
+    re, im = _float_part(real), _float_part(imag)
+    return None if re is None or im is None else complex(re, im)
 
 
 def _size_leaf(dims: Any) -> torch.Size | None:
