@@ -82,6 +82,18 @@ HEADER_CAP: Final = 64 << 20
 FIXED_PREFIX_NBYTES: Final = 20
 """Magic, version and header length: what must be read first to learn the prefix length."""
 
+PARSE_AMPLIFICATION: Final = 4
+"""Parsing a format-2 header allocates at most this many times its length (plus
+:data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
+encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
+
+LEGACY_PARSE_AMPLIFICATION: Final = 32
+"""The same bound for version-1 headers, which were written unpadded: a dense one needs
+about 16 times its length, and old files must stay readable."""
+
+PARSE_SLACK: Final = 256 << 10
+"""Fixed allowance on top of the amplification bound: frames, small tables."""
+
 MAX_DEPTH: Final = 128
 """Deepest container nesting accepted in the tree."""
 
@@ -349,6 +361,8 @@ class ReplicaLayout:
     storages: tuple[torch.UntypedStorage, ...]
     offsets: tuple[int, ...]
     body_nbytes: int
+    charged: int
+    """What a reader charges to its parse budget beyond the counted tokens (_parse_cost)."""
 
     @_without_gc
     def encode(self) -> Encoded:
@@ -357,14 +371,21 @@ class ReplicaLayout:
         CPU-bound, releases the GIL on large buffers; async callers run it in a worker thread.
         """
         segments = []
-        table = []
+        crcs = []
         for offset, storage in zip(self.offsets, self.storages, strict=True):
             data = _storage_bytes(storage)
             segments.append((offset, data))
-            table.append(f"[{offset},{storage.nbytes()},{crc32c.crc32c(data.numpy().data)}]")
+            crcs.append(crc32c.crc32c(data.numpy().data))
+        return Encoded(_prefix_bytes(self.header(crcs)), tuple(segments), self.body_nbytes)
+
+    def header(self, crcs: Sequence[int]) -> str:
+        """The header JSON with these storage checksums, padded (:func:`_padded`)."""
         # The table goes in as text: the rest of the header was serialised by lay_out.
-        header = f'{self.head_json[:-1]},"storages":[{",".join(table)}]}}'
-        return Encoded(_prefix_bytes(header), tuple(segments), self.body_nbytes)
+        table = ",".join(
+            f"[{offset},{storage.nbytes()},{crc}]"
+            for offset, storage, crc in zip(self.offsets, self.storages, crcs, strict=True)
+        )
+        return _padded(f'{self.head_json[:-1]},"storages":[{table}]}}', self.charged)
 
 
 @_without_gc
@@ -390,7 +411,8 @@ def lay_out(
     planner = _ReplicaPlanner()
     root = drive(planner.walk(staged_state_dict, ()))
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
-    tree = _TreeEncoder(plan).node(plan.root, (), 0)
+    tree_encoder = _TreeEncoder(plan)
+    tree = tree_encoder.node(plan.root, (), 0)
     offsets = []
     end = 0
     for spec in plan.storages:
@@ -408,13 +430,11 @@ def lay_out(
         "tree": tree,
     }
     head_json = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-    # The longest storage table the checksums can make: 10 digits each.
-    table = sum(
-        len(f"[{offset},{spec.nbytes},0000000000],")
-        for offset, spec in zip(offsets, plan.storages, strict=True)
-    )
-    _check_header_len(len(head_json) + len(',"storages":[]') + table)
-    return ReplicaLayout(head_json, tuple(planner.storage_objs), tuple(offsets), end)
+    layout = ReplicaLayout(head_json, tuple(planner.storage_objs), tuple(offsets), end, tree_encoder.charged)
+    # The longest header the checksums can make (ten digits each, the most padding), so
+    # that encode() cannot fail on the cap later.
+    _check_header_len(len(layout.header([4294967295] * len(offsets))))
+    return layout
 
 
 def encode(
@@ -629,12 +649,14 @@ class _TreeEncoder:
         self.memo: dict[int, int] = {}  # plan memo -> post-order container number
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
+        self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
             case TensorNode(index):
                 if index not in self.seen:
                     self.seen.add(index)
+                    self.charged += _COST_PATH + 8 * len(path)
                     self._check_tensor(self.plan.tensors[index], path)
                 return ["tensor", index]
             case AtomNode(value):
@@ -709,6 +731,7 @@ class _TreeEncoder:
                     path, f"{cls.__qualname__} cannot be stored in a replica: {exc}"
                 ) from exc
             self.namedtuples.add((cls.__name__, fields))
+            self.charged += _COST_NAMEDTUPLE + 256 * len(fields)
         if arity != len(fields):
             raise UnsupportedInputError(path, f"{cls.__qualname__} holds {arity} items, {len(fields)} fields")
 
@@ -729,6 +752,63 @@ class _TreeEncoder:
             raise UnsupportedInputError(
                 path, "tensors carrying Python attributes cannot be stored in a replica"
             )
+
+
+# -- the parse cost bound -------------------------------------------------------------------
+
+# What parsing may allocate, per token of the header text (bytes, CPython 3.11, 64-bit),
+# measured on the densest headers of each kind (tests/test_format.py checks the sum bounds
+# the real peak): a value is a pointer in its JSON list, an object (an int, a float, an
+# AtomNode in the plan) and its slot in a plan tuple; a quote pair is a str object; a colon
+# is an object member (a pair tuple while the object is built, a dict slot after).
+_COST_VALUE: Final = 80
+_COST_QUOTE: Final = 30
+_COST_COLON: Final = 100
+_COST_DIGIT: Final = 10
+_COST_PATH: Final = 48  # a tensor's key path, stored in its TensorSpec: a tuple, plus 8 per key
+_COST_NAMEDTUPLE: Final = 8192  # a namedtuple class, plus 256 per field
+_DIGITS: Final = "0123456789"
+
+
+def _parse_cost(text: str) -> int:
+    """An upper bound on what :func:`parse_prefix` allocates to parse header ``text``.
+
+    Counted, not parsed: a few ``str.count`` passes (C speed, nothing allocated).  Values,
+    strings, members and digits are charged by :data:`_COST_VALUE` and the like; the text
+    itself once; the text without its trailing spaces (the padding) twice more for string
+    contents and transients, or five times where a backslash-u escape can widen a string to four
+    bytes a character.  Tensor key paths and namedtuple classes depend on the structure, so
+    the parser charges them as it meets them (:class:`_HeaderParser`) and the encoder
+    counts them the same way (:class:`_TreeEncoder`).
+    """
+    values = text.count(",") + text.count("[") + text.count("{") + 1
+    digits = sum(text.count(d) for d in _DIGITS)
+    content = len(text.rstrip(" "))
+    return (
+        len(text)
+        + (5 if "\\u" in text else 2) * content
+        + _COST_VALUE * values
+        + _COST_QUOTE * text.count('"')
+        + _COST_COLON * text.count(":")
+        + _COST_DIGIT * digits
+    )
+
+
+def _parse_budget(text: str, version: int) -> int:
+    """What is left for the structure-dependent charges; negative: refuse the header."""
+    factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
+    return factor * len(text) + PARSE_SLACK - _parse_cost(text)
+
+
+def _padded(header: str, charged: int) -> str:
+    """``header`` with the trailing spaces that make it fit :data:`PARSE_AMPLIFICATION`.
+
+    A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
+    ``3p``.  Headers of large tensors and long names need none; 20,000 small tensors need
+    about 600 bytes each.
+    """
+    short = -_parse_budget(header, FORMAT_VERSION) + charged
+    return header + " " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
 
 
 # -- decoding -----------------------------------------------------------------------------
@@ -774,14 +854,21 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
     if any(view[header_end + _CRC.size : total]):
         raise IntegrityError("non-zero bytes in the prefix padding")
     try:
-        doc = json.loads(
-            bytes(view[FIXED_PREFIX_NBYTES:header_end]).decode("utf-8"),
-            parse_constant=_reject_constant,
-            object_pairs_hook=_unique_keys,
+        text = str(view[FIXED_PREFIX_NBYTES:header_end], "ascii")
+    except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
+        raise IntegrityError(f"header is not ASCII: {exc}") from exc
+    budget = _parse_budget(text, version)
+    if budget < 0:
+        raise IntegrityError(
+            f"header of {header_len} bytes is too dense: parsing it could allocate "
+            f"{_parse_cost(text)} bytes, more than its format-{version} bound (docs/format.md)"
         )
+    try:
+        doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
-    return _HeaderParser(total, version).parse(doc)
+    del text
+    return _HeaderParser(total, version, budget).parse(doc)
 
 
 def _reject_constant(name: str) -> Any:
@@ -926,17 +1013,22 @@ class _RawTensor(NamedTuple):
 class _HeaderParser:
     """Header JSON to :class:`ReplicaHeader`, checking every field."""
 
-    def __init__(self, prefix_len: int, version: int) -> None:
+    def __init__(self, prefix_len: int, version: int, budget: int) -> None:
         self.prefix_len = prefix_len
         self.version = version
+        self.budget = budget  # see _parse_cost
         self.containers = 0
         self.paths: list[KeyPath | None] = []
         self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
 
     def parse(self, doc: Any) -> ReplicaHeader:
         doc = _object(doc, "document", _DOC_KEYS)
-        if doc["format"] != self.version or type(doc["format"]) is not int:
-            raise _fail("format", f"expected {self.version} (the binary version), got {doc['format']!r:.40}")
+        # The binary version set the parse bound; the JSON one says which nodes may appear.
+        # A version-1 prefix around a version-2 document is read under the looser bound.
+        schema = doc["format"]
+        if type(schema) is not int or schema not in READ_VERSIONS or schema < self.version:
+            raise _fail("format", f"expected {self.version} or later, got {schema!r:.40}")
+        self.version = schema
         holder = doc["holder_rank"]
         checkpoint_id = doc["checkpoint_id"]
         if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
@@ -1052,6 +1144,11 @@ class _HeaderParser:
             note = DTensorNote(dt["placements"], global_shape)
         return _RawTensor(storage, dtype, size, strides, offset, tensor_kind, requires_grad, note)
 
+    def charge(self, nbytes: int) -> None:
+        self.budget -= nbytes
+        if self.budget < 0:
+            raise _fail("document", "too dense: parsing it would allocate more than its bound (_parse_cost)")
+
     def scalar(self, raw: Any, path: KeyPath) -> Any:
         if type(raw) in _SCALARS:
             return raw
@@ -1082,6 +1179,7 @@ class _HeaderParser:
             index = raw[1]
             if self.paths[index] is None:
                 self.paths[index] = path
+                self.charge(_COST_PATH + 8 * len(path))
             return TensorNode(index)
         where = _where(path)
         if tag == "ref":
@@ -1129,6 +1227,7 @@ class _HeaderParser:
         if known is not None:
             return known
         try:
+            self.charge(_COST_NAMEDTUPLE + 256 * len(fields))
             made = _namedtuple_class(typename, fields)
         except (ValueError, TypeError) as exc:
             raise _fail(where, f"invalid namedtuple: {exc}") from exc
