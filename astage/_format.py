@@ -767,37 +767,49 @@ _COST_COLON: Final = 100
 _COST_DIGIT: Final = 10
 _COST_PATH: Final = 48  # a tensor's key path, stored in its TensorSpec: a tuple, plus 8 per key
 _COST_NAMEDTUPLE: Final = 8192  # a namedtuple class, plus 256 per field
-_DIGITS: Final = "0123456789"
+_DIGITS: Final = b"0123456789"
+_SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
 
 
-def _parse_cost(text: str) -> int:
-    """An upper bound on what :func:`parse_prefix` allocates to parse header ``text``.
+def _parse_cost(raw: bytes) -> int:
+    """An upper bound on what :func:`parse_prefix` allocates to parse header bytes ``raw``.
 
-    Counted, not parsed: a few ``str.count`` passes (C speed, nothing allocated).  Values,
-    strings, members and digits are charged by :data:`_COST_VALUE` and the like; the text
-    itself once; the text without its trailing spaces (the padding) twice more for string
-    contents and transients, or five times where a backslash-u escape can widen a string to four
-    bytes a character.  Tensor key paths and namedtuple classes depend on the structure, so
-    the parser charges them as it meets them (:class:`_HeaderParser`) and the encoder
-    counts them the same way (:class:`_TreeEncoder`).
+    Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
+    Values, strings, members and digits are charged by :data:`_COST_VALUE` and the like;
+    the text itself once; the text without its trailing spaces (the padding) twice more,
+    for string contents and transients, or five times where a backslash-u escape can widen
+    a string to four bytes a character.  Tensor key paths and namedtuple classes depend on
+    the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
+    the encoder counts them the same way (:class:`_TreeEncoder`).
     """
-    values = text.count(",") + text.count("[") + text.count("{") + 1
-    digits = sum(text.count(d) for d in _DIGITS)
-    content = len(text.rstrip(" "))
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    digits = len(raw) - len(raw.translate(None, _DIGITS))
     return (
-        len(text)
-        + (5 if "\\u" in text else 2) * content
+        len(raw)
+        + (5 if b"\\u" in raw else 2) * _unpadded_len(raw)
         + _COST_VALUE * values
-        + _COST_QUOTE * text.count('"')
-        + _COST_COLON * text.count(":")
+        + _COST_QUOTE * raw.count(b'"')
+        + _COST_COLON * raw.count(b":")
         + _COST_DIGIT * digits
     )
 
 
-def _parse_budget(text: str, version: int) -> int:
+def _unpadded_len(raw: bytes) -> int:
+    """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes."""
+    end = len(raw)
+    while end:
+        start = max(0, end - _SCAN)
+        kept = np.frombuffer(raw, np.uint8, end - start, start) != 0x20
+        if kept.any():
+            return end - int(np.argmax(kept[::-1]))
+        end = start
+    return 0
+
+
+def _parse_budget(raw: bytes, version: int) -> int:
     """What is left for the structure-dependent charges; negative: refuse the header."""
     factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
-    return factor * len(text) + PARSE_SLACK - _parse_cost(text)
+    return factor * len(raw) + PARSE_SLACK - _parse_cost(raw)
 
 
 def _padded(header: str, charged: int) -> str:
@@ -807,7 +819,7 @@ def _padded(header: str, charged: int) -> str:
     ``3p``.  Headers of large tensors and long names need none; 20,000 small tensors need
     about 600 bytes each.
     """
-    short = -_parse_budget(header, FORMAT_VERSION) + charged
+    short = -_parse_budget(header.encode("ascii"), FORMAT_VERSION) + charged
     return header + " " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
 
 
@@ -853,16 +865,18 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         raise IntegrityError("header checksum mismatch")
     if any(view[header_end + _CRC.size : total]):
         raise IntegrityError("non-zero bytes in the prefix padding")
-    try:
-        text = str(view[FIXED_PREFIX_NBYTES:header_end], "ascii")
-    except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
-        raise IntegrityError(f"header is not ASCII: {exc}") from exc
-    budget = _parse_budget(text, version)
+    raw = bytes(view[FIXED_PREFIX_NBYTES:header_end])
+    budget = _parse_budget(raw, version)
     if budget < 0:
         raise IntegrityError(
             f"header of {header_len} bytes is too dense: parsing it could allocate "
-            f"{_parse_cost(text)} bytes, more than its format-{version} bound (docs/format.md)"
+            f"{_parse_cost(raw)} bytes, more than its format-{version} bound (docs/format.md)"
         )
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
+        raise IntegrityError(f"header is not ASCII: {exc}") from exc
+    del raw
     try:
         doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
