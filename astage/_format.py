@@ -2,7 +2,8 @@
 
 A replica is a staged state_dict as bytes::
 
-    MAGIC (8) | version u32 LE | header_len u64 LE | header JSON (header_len bytes, UTF-8)
+    MAGIC (8) | version u32 LE | header_len u64 LE | header JSON (header_len bytes, ASCII,
+    padded with spaces)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
 
 The body holds each distinct storage's raw bytes once, in plan order, each segment starting
@@ -22,8 +23,13 @@ Invariants:
   checked strictly (types, ranges, indices, layout, every tensor inside its storage);
   every storage's crc32c is verified before any tensor is returned.  Each violation raises
   :class:`IntegrityError`; a wrong tensor is never returned.
-* Encoding is faithful or fails: aliasing and object identity survive the round trip, and a
-  value the format cannot hold raises :class:`UnsupportedInputError` naming its key path.
+* Parsing is bounded before it starts: a count of the header's tokens bounds what the parse
+  can allocate (:func:`_parse_cost`), a format-2 header that could need more than
+  :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder pads every
+  header with spaces until it fits.
+* Encoding is faithful or fails: aliasing and object identity survive the round trip, leaves
+  come back with their type and value (numpy scalars bit for bit, ``-0.0`` too), and a value the
+  format cannot hold raises :class:`UnsupportedInputError` naming its key path.
 """
 
 from __future__ import annotations
@@ -71,7 +77,10 @@ FORMAT_VERSION: Final = 2
 """The layout version this module writes (version 2 added the leaves of :func:`encode`'s list)."""
 
 READ_VERSIONS: Final = frozenset({1, 2})
-"""The layout versions this module reads; a version-1 header may use only version-1 nodes."""
+"""The versions this module reads.  The binary version sets the parse bound
+(:data:`PARSE_AMPLIFICATION`: version 2 headers are padded to it); the header's ``format``
+field says which nodes may appear: a format-1 header may use only format-1 nodes, and the
+encoder writes 2 only where the tree needs format-2 nodes."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""
@@ -419,7 +428,9 @@ def lay_out(
         offsets.append(_align(end))
         end = offsets[-1] + spec.nbytes
     doc = {
-        "format": FORMAT_VERSION,
+        # The lowest schema that holds the tree: a header without format-2 nodes stays
+        # readable by anything that edits or checks format-1 documents.
+        "format": tree_encoder.schema,
         "owner_rank": owner_rank,
         "holder_rank": holder_rank,
         "step": step,
@@ -650,6 +661,7 @@ class _TreeEncoder:
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
         self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
+        self.schema = 1  # the header's "format": 2 once a format-2 node is written
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
@@ -658,12 +670,17 @@ class _TreeEncoder:
                     self.seen.add(index)
                     self.charged += _COST_PATH + 8 * len(path)
                     self._check_tensor(self.plan.tensors[index], path)
+                    if self.plan.tensors[index].kind in _V2_KINDS:
+                        self.schema = 2
                 return ["tensor", index]
             case AtomNode(value):
                 try:
-                    return _leaf(value)
+                    leaf = _leaf(value)
                 except (TypeError, ValueError) as exc:
                     raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
+                if type(leaf) is list and leaf[0] in _V2_LEAVES:
+                    self.schema = 2
+                return leaf
             case RefNode(memo):
                 return ["ref", self.memo[memo]]
             case DictNode(memo, keys, values, proto, attrs):
@@ -710,7 +727,9 @@ class _TreeEncoder:
             case CopyNode(value) | ObjectNode(cls=value):
                 what = value.__qualname__ if isinstance(value, type) else type(value).__qualname__
                 raise UnsupportedInputError(
-                    path, f"{what} cannot be stored in a replica (only tensors, containers and JSON values)"
+                    path,
+                    f"{what} cannot be stored in a replica (only tensors, numpy arrays, containers "
+                    "and plain values: see docs/format.md)",
                 )
         raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
 
@@ -1038,10 +1057,9 @@ class _HeaderParser:
     def parse(self, doc: Any) -> ReplicaHeader:
         doc = _object(doc, "document", _DOC_KEYS)
         # The binary version set the parse bound; the JSON one says which nodes may appear.
-        # A version-1 prefix around a version-2 document is read under the looser bound.
         schema = doc["format"]
-        if type(schema) is not int or schema not in READ_VERSIONS or schema < self.version:
-            raise _fail("format", f"expected {self.version} or later, got {schema!r:.40}")
+        if type(schema) is not int or schema not in READ_VERSIONS:
+            raise _fail("format", f"expected one of {sorted(READ_VERSIONS)}, got {schema!r:.40}")
         self.version = schema
         holder = doc["holder_rank"]
         checkpoint_id = doc["checkpoint_id"]

@@ -660,7 +660,6 @@ def _with_attrs(tag: str, attrs: Any) -> dict[str, Any]:
 _HOSTILE = {
     "unknown key": {**_doc(), "extra": 1},
     "missing key": {k: v for k, v in _doc().items() if k != "step"},
-    "format 1 in a version-2 prefix": _mutate(("format",), 1),
     "format 2.0": _mutate(("format",), 2.0),
     "format 3": _mutate(("format",), 3),
     "owner as str": _mutate(("owner_rank",), "0"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import json
 import logging
 import math
 import random
@@ -154,6 +155,17 @@ _LEAVES = {
 @pytest.mark.parametrize("value", list(_LEAVES.values()), ids=list(_LEAVES))
 def test_each_leaf_kind_round_trips_exactly(value: Any) -> None:
     assert_exact(round_trip({"x": value, "in": [value]}), {"x": value, "in": [value]})
+
+
+def test_the_header_says_format_2_only_where_the_tree_needs_it() -> None:
+    def schema(state: Any) -> int:
+        data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
+        length = struct.unpack_from("<Q", data, 12)[0]
+        return int(json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])["format"])
+
+    assert schema({"w": torch.ones(2), "lr": 0.1}) == 1
+    assert schema({"w": torch.ones(2), "shape": torch.Size([2])}) == 2
+    assert schema({"w": np.ones(2)}) == 2
 
 
 def test_rng_states_round_trip_bit_exactly_and_continue_the_same_streams() -> None:
