@@ -76,9 +76,11 @@ def assert_exact(got: Any, want: Any, where: str = "state") -> None:
 
 
 def rng_states() -> dict[str, Any]:
-    """Every RNG state a training loop saves, after some draws."""
-    torch.manual_seed(3)
-    torch.rand(5)
+    """Every RNG state a training loop saves, after some draws (torch's global one untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        torch.rand(5)
+        torch_state = torch.get_rng_state()
     legacy = np.random.RandomState(4)
     legacy.standard_normal(3)  # leaves a cached gaussian: the state's float is not 0.0
     generator = np.random.default_rng(5)
@@ -86,7 +88,7 @@ def rng_states() -> dict[str, Any]:
     python = random.Random(6)
     python.random()
     return {
-        "torch": torch.get_rng_state(),
+        "torch": torch_state,
         "numpy_legacy": legacy.get_state(),
         "numpy_generator": generator.bit_generator.state,
         "python": python.getstate(),
@@ -176,13 +178,24 @@ def test_rng_states_round_trip_bit_exactly_and_continue_the_same_streams() -> No
     legacy.set_state(back["numpy_legacy"])
     generator.bit_generator.state = back["numpy_generator"]
     python.setstate(back["python"])
-    torch.set_rng_state(back["torch"])
-    draws = (legacy.standard_normal(4), generator.random(4), python.random(), torch.rand(4))
+    torch_from_back, torch_from_saved = torch.Generator(), torch.Generator()
+    torch_from_back.set_state(back["torch"])
+    torch_from_saved.set_state(saved["torch"])
+    draws = (
+        legacy.standard_normal(4),
+        generator.random(4),
+        python.random(),
+        torch.rand(4, generator=torch_from_back),
+    )
     legacy.set_state(saved["numpy_legacy"])
     generator.bit_generator.state = saved["numpy_generator"]
     python.setstate(saved["python"])
-    torch.set_rng_state(saved["torch"])
-    expected = (legacy.standard_normal(4), generator.random(4), python.random(), torch.rand(4))
+    expected = (
+        legacy.standard_normal(4),
+        generator.random(4),
+        python.random(),
+        torch.rand(4, generator=torch_from_saved),
+    )
     assert_exact(list(draws), list(expected))
 
 
@@ -363,3 +376,86 @@ async def test_a_background_failure_is_logged_once_in_one_line(
     assert "\n" not in record.getMessage()
     assert "step 1 failed" in record.getMessage()
     assert "peer went away while replicating step 1" in record.getMessage()
+
+
+# -- hostile format-2 nodes -------------------------------------------------------------------
+
+
+def _forged(edit: Any) -> bytes:
+    """A format-2 replica of ``{"a": np.arange(3), "x": 1.5}`` with its header edited, checksum right."""
+    data = b"".join(encode({"a": np.arange(3), "x": 1.5}, owner_rank=0, step=0, checkpoint_id="").buffers())
+    length = struct.unpack_from("<Q", data, 12)[0]
+    doc = json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])
+    edit(doc)
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    head = data[:12] + struct.pack("<Q", len(header)) + header
+    head += struct.pack("<I", crc32c.crc32c(head))
+    return head + bytes(-len(head) % 64) + data[parse_prefix(data).prefix_nbytes :]
+
+
+def _leaf_is(node: Any) -> Any:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tree"][2][1] = node  # the value of "x"
+
+    return edit
+
+
+def _array_entry(index: int, value: Any) -> Any:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"][0][index] = value
+
+    return edit
+
+
+_HOSTILE_NODES = {
+    "numpy bits too wide": _leaf_is(["numpy", "float32", 2**32]),
+    "numpy negative bits": _leaf_is(["numpy", "int8", -1]),
+    "numpy bool of 2": _leaf_is(["numpy", "bool", 2]),
+    "numpy object dtype": _leaf_is(["numpy", "object", 0]),
+    "numpy float bits": _leaf_is(["numpy", "float64", 1.5]),
+    "numpy missing bits": _leaf_is(["numpy", "float64"]),
+    "device index -1": _leaf_is(["device", "cuda", -1]),
+    "device unknown type": _leaf_is(["device", "bogus", None]),
+    "device with a colon": _leaf_is(["device", "cuda:0", None]),
+    "device huge index": _leaf_is(["device", "cuda", 2**40]),
+    "dtype unknown": _leaf_is(["dtype", "float"]),
+    "dtype not a str": _leaf_is(["dtype", ["float32"]]),
+    "bytes not base64": _leaf_is(["bytes", "!!!!"]),
+    "bytes bad padding": _leaf_is(["bytes", "YQ"]),
+    "bytes non-ASCII": _leaf_is(["bytes", "\u00e9"]),
+    "complex of ints": _leaf_is(["complex", 1, 2]),
+    "complex missing part": _leaf_is(["complex", 1.0]),
+    "size of floats": _leaf_is(["size", [1.5]]),
+    "size past 2**63": _leaf_is(["size", [2**63]]),
+    "size too long": _leaf_is(["size", [1] * 65]),
+    "unhashable tag": _leaf_is([[1], 2]),
+    "ndarray of float8": _array_entry(1, "float8_e4m3fn"),
+    "ndarray requiring grad": _array_entry(6, True),
+    "ndarray with a DTensor note": lambda doc: doc["tensors"][0].append(
+        {"placements": "", "global_shape": [3]}
+    ),
+    "ndarray in a format-1 header": lambda doc: doc.update(format=1),
+    "format-2 leaf in a format-1 header": lambda doc: (
+        doc.update(format=1),
+        doc["tensors"][0].__setitem__(5, "tensor"),
+        _leaf_is(["size", [1]])(doc),
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(_HOSTILE_NODES.values()), ids=list(_HOSTILE_NODES))
+def test_malformed_format_2_nodes_are_integrity_errors(edit: Any, tmp_path: Path) -> None:
+    data = _forged(edit)
+    with pytest.raises(astage.IntegrityError, match="header"):
+        parse_prefix(data)
+    path = tmp_path / "forged.astage"
+    path.write_bytes(data)
+    with pytest.raises(astage.IntegrityError):
+        astage.load_replica_sync(path)
+
+
+def test_the_forgery_helper_makes_valid_replicas() -> None:
+    back = round_trip({"a": np.arange(3), "x": 1.5})
+    assert back["x"] == 1.5
+    header = parse_prefix(_forged(_leaf_is(["numpy", "float32", 0x3F800000])))
+    assert header.num_tensors == 1
