@@ -96,9 +96,10 @@ PARSE_AMPLIFICATION: Final = 4
 :data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
 encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
 
-LEGACY_PARSE_AMPLIFICATION: Final = 32
-"""The same bound for version-1 headers, which were written unpadded: a dense one needs
-about 16 times its length, and old files must stay readable."""
+LEGACY_PARSE_AMPLIFICATION: Final = 64
+"""The same bound for version-1 headers, which were written unpadded: old files must stay
+readable, and a valid one can count up to 48 (a long list of single-digit ints; it needs
+about 37 times its length in fact)."""
 
 PARSE_SLACK: Final = 256 << 10
 """Fixed allowance on top of the amplification bound: frames, small tables."""

@@ -286,10 +286,11 @@ def test_version_1_files_still_load(tmp_path: Path) -> None:
 
 
 def _as_version_1(state: Any) -> bytes:
-    """A format-2 replica of ``state`` relabelled version 1, its checksum made right."""
+    """A replica of ``state`` as version 1 wrote it: binary and format 1, no padding."""
     data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
     length = struct.unpack_from("<Q", data, 12)[0]
-    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length].replace(b'"format":2', b'"format":1')
+    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length].rstrip(b" ")
+    header = header.replace(b'"format":2', b'"format":1')
     head = data[:8] + struct.pack("<IQ", 1, len(header)) + header
     head += struct.pack("<I", crc32c.crc32c(head))
     return head + bytes(-len(head) % 64) + data[parse_prefix(data).prefix_nbytes :]
@@ -459,3 +460,25 @@ def test_the_forgery_helper_makes_valid_replicas() -> None:
     assert back["x"] == 1.5
     header = parse_prefix(_forged(_leaf_is(["numpy", "float32", 0x3F800000])))
     assert header.num_tensors == 1
+
+
+# Version-1 replicas written by astage before format 2 (main at 2fa0a77), dense ones: a list
+# of 100,000 zeros and an optimizer's param_groups of 3,000 indices.  Unpadded, they count
+# far above the format-2 bound, and must still load.
+_DENSE_VERSION_1 = {
+    "zeros": lambda: {"z": [0] * 100_000},
+    "param_groups": lambda: {"param_groups": [{"params": list(range(3000)), "lr": 0.1}]},
+}
+
+
+@pytest.mark.parametrize("make", list(_DENSE_VERSION_1.values()), ids=list(_DENSE_VERSION_1))
+def test_dense_version_1_headers_still_parse(make: Any) -> None:
+    state = make()
+    data = _as_version_1(state)
+    header_len = struct.unpack_from("<Q", data, 12)[0]
+    assert header_len < len(json.dumps(state)) + 400, "unpadded, as version 1 wrote them"
+    assert parse_prefix(data).version == 1
+    as_version_2 = data[:8] + struct.pack("<I", 2) + data[12 : FIXED_PREFIX_NBYTES + header_len]
+    as_version_2 += struct.pack("<I", crc32c.crc32c(as_version_2))
+    with pytest.raises(astage.IntegrityError, match="too dense"):  # what padding is for
+        parse_prefix(as_version_2 + bytes(-len(as_version_2) % 64))
