@@ -73,7 +73,7 @@ from ._errors import (
     PersistError,
     ResourceError,
 )
-from ._format import ReplicaHeader, encode
+from ._format import ReplicaHeader, ReplicaLayout, lay_out
 from ._persist import (
     blocking_io,
     find_replicas,
@@ -603,6 +603,7 @@ class _Job:
     stage_stats: StageStats | None
     previous: anyio.Event | None
     staged: Any = None
+    layout: ReplicaLayout | None = None
     entry: _FileEntry | None = None
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     written: bool = False
@@ -954,8 +955,10 @@ class Checkpointer:
         :raises PersistError: an earlier save failed (names its step); nothing was saved.
         :raises ConfigurationError: ``step`` is negative, not an int, in flight or committed.
         :raises ClosedError: the Checkpointer is not open.
-        :raises UnsupportedInputError: the stager cannot stage ``state_dict`` (and the
-            stager's other errors, e.g. :class:`CapacityError`).
+        :raises UnsupportedInputError: the stager cannot stage ``state_dict``, or the
+            replica format cannot store a value in it (names its key path; checked here, so
+            nothing of it fails later), and the stager's other errors, e.g.
+            :class:`CapacityError`.
         """
         task_group = self._check_open("save")
         self._raise_unreported()
@@ -972,18 +975,21 @@ class Checkpointer:
             try:
                 waited = time.perf_counter() - started
                 staged = await self._stager.stage(state_dict)
+                checkpoint_id = uuid.uuid4().hex
+                layout = await self._lay_out(staged, step, checkpoint_id)
                 stats = getattr(self._stager, "last_stats", None)
                 job = _Job(
                     step=step,
-                    checkpoint_id=uuid.uuid4().hex,
+                    checkpoint_id=checkpoint_id,
                     started=started,
                     staging_seconds=time.perf_counter() - started,
                     backpressure_seconds=waited,
                     stage_stats=stats if isinstance(stats, StageStats) else None,
                     previous=self._last_done,
                     staged=staged,
+                    layout=layout,
                 )
-                del staged
+                del staged, layout
                 previous_done, self._last_done = self._last_done, job.done
                 self._jobs[step] = job
                 try:
@@ -1074,12 +1080,10 @@ class Checkpointer:
     async def _write_local(self, job: _Job) -> _FileEntry:
         """Encode the staged copy and write this rank's file durably (not yet committed)."""
         begin = time.perf_counter()
-        encoded = await anyio.to_thread.run_sync(
-            functools.partial(
-                encode, job.staged, owner_rank=self._rank, step=job.step, checkpoint_id=job.checkpoint_id
-            ),
-            limiter=self._limiter,
-        )
+        layout, job.layout = job.layout, None
+        assert layout is not None
+        encoded = await anyio.to_thread.run_sync(layout.encode, limiter=self._limiter)
+        del layout
         try:
             entry = _FileEntry(self._data_name, encoded.total_nbytes, _storages_crc32c(encoded.header))
             job.written = True  # from here on, a file may exist that must not outlive a failure
@@ -1168,13 +1172,34 @@ class Checkpointer:
         self._emit("committed", job)
         await self._retire_old(job.step)
 
+    async def _lay_out(self, staged: Any, step: int, checkpoint_id: str) -> ReplicaLayout:
+        """Check the staged copy against the replica format and lay it out, before ``save()``
+        returns: what the background task could not write is refused here, with its key
+        path.  The walk is the one encoding needs anyway; only the checksums are left for
+        the background.  On any error the copy goes back to the stager."""
+        try:
+            return await anyio.to_thread.run_sync(
+                functools.partial(
+                    lay_out, staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id
+                ),
+                limiter=self._limiter,
+            )
+        except BaseException as exc:
+            _drop_frames(exc)
+            with anyio.CancelScope(shield=True):
+                await self._give_back(staged, step)
+            raise
+
     async def _release_staged(self, job: _Job) -> None:
-        staged, job.staged = job.staged, None
+        staged, job.staged, job.layout = job.staged, None, None
+        await self._give_back(staged, job.step)
+
+    async def _give_back(self, staged: Any, step: int) -> None:
         if staged is not None and isinstance(self._stager, _Releasing):
             try:
                 await self._stager.release(staged)
             except Exception:
-                log.exception("releasing the staged copy of step %d failed", job.step)
+                log.exception("releasing the staged copy of step %d failed", step)
 
     async def _discard(self, job: _Job) -> None:
         try:
@@ -1196,7 +1221,9 @@ class Checkpointer:
         error.__cause__ = exc
         job.error = error
         self._unreported.append(job)
-        log.error("checkpoint step %d failed and was not committed", job.step, exc_info=exc)
+        # One line, no traceback: the caller gets the error itself, traceback and all (next
+        # save, wait or handle.wait); the log only says that it happened and why.
+        log.error("checkpoint step %d failed and was not committed: %r", job.step, exc)
         self._emit("failed", job)
 
     async def _retire_old(self, just_committed: int) -> None:

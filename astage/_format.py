@@ -2,7 +2,8 @@
 
 A replica is a staged state_dict as bytes::
 
-    MAGIC (8) | version u32 LE | header_len u64 LE | header JSON (header_len bytes, UTF-8)
+    MAGIC (8) | version u32 LE | header_len u64 LE | header JSON (header_len bytes, ASCII,
+    padded with spaces)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
 
 The body holds each distinct storage's raw bytes once, in plan order, each segment starting
@@ -22,12 +23,18 @@ Invariants:
   checked strictly (types, ranges, indices, layout, every tensor inside its storage);
   every storage's crc32c is verified before any tensor is returned.  Each violation raises
   :class:`IntegrityError`; a wrong tensor is never returned.
-* Encoding is faithful or fails: aliasing and object identity survive the round trip, and a
-  value the format cannot hold raises :class:`UnsupportedInputError` naming its key path.
+* Parsing is bounded before it starts: a count of the header's tokens bounds what the parse
+  can allocate (:func:`_parse_cost`), a format-2 header that could need more than
+  :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder pads every
+  header with spaces until it fits.
+* Encoding is faithful or fails: aliasing and object identity survive the round trip, leaves
+  come back with their type and value (numpy scalars bit for bit, ``-0.0`` too), and a value the
+  format cannot hold raises :class:`UnsupportedInputError` naming its key path.
 """
 
 from __future__ import annotations
 
+import binascii
 import collections
 import dataclasses
 import functools
@@ -41,6 +48,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import crc32c
+import numpy as np
 import torch
 
 from ._errors import Attr, ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError, format_key_path
@@ -57,15 +65,22 @@ from ._plan import (
     TensorKind,
     TensorNode,
     TensorSpec,
-    plan_state_dict,
+    _Planner,
     rebuild,
 )
+from ._slices import drive
 
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every replica."""
 
-FORMAT_VERSION: Final = 1
-"""The only layout version this module reads and writes."""
+FORMAT_VERSION: Final = 2
+"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list)."""
+
+READ_VERSIONS: Final = frozenset({1, 2})
+"""The versions this module reads.  The binary version sets the parse bound
+(:data:`PARSE_AMPLIFICATION`: version 2 headers are padded to it); the header's ``format``
+field says which nodes may appear: a format-1 header may use only format-1 nodes, and the
+encoder writes 2 only where the tree needs format-2 nodes."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""
@@ -75,6 +90,19 @@ HEADER_CAP: Final = 64 << 20
 
 FIXED_PREFIX_NBYTES: Final = 20
 """Magic, version and header length: what must be read first to learn the prefix length."""
+
+PARSE_AMPLIFICATION: Final = 4
+"""Parsing a format-2 header allocates at most this many times its length (plus
+:data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
+encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
+
+LEGACY_PARSE_AMPLIFICATION: Final = 64
+"""The same bound for version-1 headers, which were written unpadded: old files must stay
+readable, and a valid one can count up to 48 (a long list of single-digit ints; it needs
+about 37 times its length in fact)."""
+
+PARSE_SLACK: Final = 256 << 10
+"""Fixed allowance on top of the amplification bound: frames, small tables."""
 
 MAX_DEPTH: Final = 128
 """Deepest container nesting accepted in the tree."""
@@ -115,8 +143,43 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
 }
 """The dtype allow-list: header names to torch dtypes.  Nothing else is read or written."""
 
+NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
+        *("float16", "float32", "float64", "complex64", "complex128"),
+    )
+}
+"""numpy dtypes of the arrays and scalars a replica holds (each is also a torch dtype)."""
+
+_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
+    **DTYPES,
+    **{
+        name: getattr(torch, name)
+        for name in (
+            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
+            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
+            *(f"int{n}" for n in range(1, 8)),
+            *(f"uint{n}" for n in range(1, 8)),
+        )
+        if isinstance(getattr(torch, name, None), torch.dtype)
+    },
+}
+"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
+object is only a name."""
+
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
-_KINDS: Final = {"tensor": TensorKind.TENSOR, "parameter": TensorKind.PARAMETER}
+_TORCH_DTYPE_LEAF_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPE_LEAVES.items()}
+_NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
+_KINDS: Final = {
+    "tensor": TensorKind.TENSOR,
+    "parameter": TensorKind.PARAMETER,
+    "ndarray": TensorKind.NDARRAY,
+}
+_KIND_NAMES: Final = {kind: name for name, kind in _KINDS.items()}
+_V2_KINDS: Final = frozenset({TensorKind.NDARRAY})
+_V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
+_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 _NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _SCALARS: Final = (type(None), bool, int, float, str)
 _NAN_KEY: Final = ["float", "nan"]
@@ -292,7 +355,100 @@ def _without_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 # -- encoding -----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReplicaLayout:
+    """A staged state_dict checked and laid out as a replica: everything but the checksums.
+
+    :func:`lay_out` makes every check that can refuse a value; :meth:`encode` then only
+    checksums the storages and joins the bytes.  Splitting the two lets a caller refuse
+    bad input at once, before the costly part runs in the background (the Checkpointer
+    lays out inside ``save()``).  The layout views the staged storages, like
+    :class:`Encoded`.
+    """
+
+    head_json: str
+    """The header JSON without its storage table (a closed JSON object)."""
+    storages: tuple[torch.UntypedStorage, ...]
+    offsets: tuple[int, ...]
+    body_nbytes: int
+    charged: int
+    """What a reader charges to its parse budget beyond the counted tokens (_parse_cost)."""
+
+    @_without_gc
+    def encode(self) -> Encoded:
+        """Checksum every storage and return the replica's bytes.
+
+        CPU-bound, releases the GIL on large buffers; async callers run it in a worker thread.
+        """
+        segments = []
+        crcs = []
+        for offset, storage in zip(self.offsets, self.storages, strict=True):
+            data = _storage_bytes(storage)
+            segments.append((offset, data))
+            crcs.append(crc32c.crc32c(data.numpy().data))
+        return Encoded(_prefix_bytes(self.header(crcs)), tuple(segments), self.body_nbytes)
+
+    def header(self, crcs: Sequence[int]) -> str:
+        """The header JSON with these storage checksums, padded (:func:`_padded`)."""
+        # The table goes in as text: the rest of the header was serialised by lay_out.
+        table = ",".join(
+            f"[{offset},{storage.nbytes()},{crc}]"
+            for offset, storage, crc in zip(self.offsets, self.storages, crcs, strict=True)
+        )
+        return _padded(f'{self.head_json[:-1]},"storages":[{table}]}}', self.charged)
+
+
 @_without_gc
+def lay_out(
+    staged_state_dict: Any,
+    *,
+    owner_rank: int,
+    step: int,
+    checkpoint_id: str,
+    holder_rank: int | None = None,
+    created: float | None = None,
+) -> ReplicaLayout:
+    """Check a staged (CPU) state_dict against the format and lay it out (see :func:`encode`).
+
+    Walks the tree once; pure Python, no checksums: tens of milliseconds for 20,000
+    tensors, so async callers run it in a worker thread.
+
+    :raises UnsupportedInputError: as :func:`encode`.
+    :raises ConfigurationError: as :func:`encode`.
+    """
+    created = float(time.time() if created is None else created)
+    _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
+    planner = _ReplicaPlanner()
+    root = drive(planner.walk(staged_state_dict, ()))
+    plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
+    tree_encoder = _TreeEncoder(plan)
+    tree = tree_encoder.node(plan.root, (), 0)
+    offsets = []
+    end = 0
+    for spec in plan.storages:
+        offsets.append(_align(end))
+        end = offsets[-1] + spec.nbytes
+    doc = {
+        # The lowest schema that holds the tree: a header without format-2 nodes stays
+        # readable by anything that edits or checks format-1 documents.
+        "format": tree_encoder.schema,
+        "owner_rank": owner_rank,
+        "holder_rank": holder_rank,
+        "step": step,
+        "checkpoint_id": checkpoint_id,
+        "created": created,
+        "body_nbytes": end,
+        "tensors": [_tensor_entry(spec) for spec in plan.tensors],
+        "tree": tree,
+    }
+    head_json = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    layout = ReplicaLayout(head_json, tuple(planner.storage_objs), tuple(offsets), end, tree_encoder.charged)
+    # The longest header the checksums can make (ten digits each, the most padding), so
+    # that encode() cannot fail on the cap later.
+    _check_header_len(len(layout.header([4294967295] * len(offsets))))
+    return layout
+
+
 def encode(
     staged_state_dict: Any,
     *,
@@ -306,43 +462,70 @@ def encode(
 
     Checksums every storage: CPU-bound, releases the GIL on large buffers; async callers
     run it in a worker thread.  The result views the staged storages, so they must not
-    change until the replica is written or sent.
+    change until the replica is written or sent.  :func:`lay_out` plus
+    :meth:`ReplicaLayout.encode`.
+
+    A replica holds dicts, OrderedDicts, lists, tuples and namedtuples of: tensors and
+    Parameters (CPU, allow-listed dtypes), numpy arrays and scalars of
+    :data:`NUMPY_DTYPES`, ``None``, bools, ints, floats, complex numbers, strs, bytes,
+    ``torch.Size``, ``torch.dtype`` and ``torch.device`` (see ``docs/format.md``).
 
     :param created: timestamp to record; default now.
     :raises UnsupportedInputError: a value the format cannot hold (names its key path), a
         tensor not on the CPU, or a header over :data:`HEADER_CAP`.
     :raises ConfigurationError: a rank, step or id out of range.
     """
-    created = float(time.time() if created is None else created)
-    _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
-    source = plan_state_dict(staged_state_dict, strict=True, allowed_devices=frozenset({"cpu"}))
-    plan = source.plan
-    tree = _TreeEncoder(plan).node(plan.root, (), 0)
-    tensors = [_tensor_entry(spec) for spec in plan.tensors]
-    segments: list[tuple[int, torch.Tensor]] = []
-    storage_entries = []
-    end = 0
-    for storage in source.storages:
-        offset = _align(end)
-        data = _storage_bytes(storage)
-        nbytes = storage.nbytes()
-        segments.append((offset, data))
-        storage_entries.append([offset, nbytes, crc32c.crc32c(data.numpy().data)])
-        end = offset + nbytes
-    doc = {
-        "format": FORMAT_VERSION,
-        "owner_rank": owner_rank,
-        "holder_rank": holder_rank,
-        "step": step,
-        "checkpoint_id": checkpoint_id,
-        "created": created,
-        "body_nbytes": end,
-        "storages": storage_entries,
-        "tensors": tensors,
-        "tree": tree,
-    }
-    prefix = _prefix_bytes(json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")))
-    return Encoded(prefix, tuple(segments), end)
+    return lay_out(
+        staged_state_dict,
+        owner_rank=owner_rank,
+        step=step,
+        checkpoint_id=checkpoint_id,
+        holder_rank=holder_rank,
+        created=created,
+    ).encode()
+
+
+class _ReplicaPlanner(_Planner):
+    """The planner of :func:`lay_out`: strict, CPU only, numpy arrays and scalars as leaves.
+
+    A numpy array becomes a tensor entry of kind ``ndarray`` over its own storage: the
+    array itself when it is C- or Fortran-contiguous, writable and in native byte order,
+    else a C-contiguous native copy.  The same array object met twice is one entry met
+    twice; distinct arrays never share a storage, even where their memory overlaps.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(strict=True, allowed_devices=frozenset({"cpu"}))
+        self.arrays: dict[int, TensorNode] = {}
+
+    def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
+        if isinstance(x, np.generic):
+            return AtomNode(x)  # the tree encoder checks its dtype
+        if cls is np.ndarray:
+            return self.array(x, path)
+        return super().leaf(x, cls, path)
+
+    def array(self, x: np.ndarray[Any, Any], path: KeyPath) -> TensorNode:
+        known = self.arrays.get(id(x))
+        if known is not None:
+            return known
+        if _NUMPY_NAMES.get((x.dtype.kind, x.dtype.itemsize)) is None or x.dtype.fields is not None:
+            raise UnsupportedInputError(
+                path, f"numpy dtype {x.dtype} cannot be stored in a replica (only {', '.join(NUMPY_DTYPES)})"
+            )
+        if x.ndim > MAX_NDIM:
+            raise UnsupportedInputError(
+                path, f"{x.ndim} dimensions, the replica format holds at most {MAX_NDIM}"
+            )
+        data = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+        if not ((data.flags.c_contiguous or data.flags.f_contiguous) and data.flags.writeable):
+            # torch.from_numpy needs non-negative strides and warns on read-only arrays.
+            data = np.array(data, order="F" if data.flags.f_contiguous else "C")
+        node = self.new_tensor(torch.from_numpy(data), path)
+        self.tensors[node.position] = self.tensors[node.position]._replace(kind=TensorKind.NDARRAY)
+        self.arrays[id(x)] = node
+        self.keepalive.append(x)  # ids stay unique only while the objects live
+        return node
 
 
 def _check_meta(
@@ -364,12 +547,16 @@ def _check_meta(
         raise ConfigurationError(f"created must be a finite timestamp, got {created!r}")
 
 
+def _check_header_len(nbytes: int) -> None:
+    if nbytes > HEADER_CAP:
+        raise UnsupportedInputError(
+            (), f"the replica header would be {nbytes} bytes, over the {HEADER_CAP}-byte cap"
+        )
+
+
 def _prefix_bytes(header_json: str) -> bytes:
     body = header_json.encode("ascii")
-    if len(body) > HEADER_CAP:
-        raise UnsupportedInputError(
-            (), f"the replica header would be {len(body)} bytes, over the {HEADER_CAP}-byte cap"
-        )
+    _check_header_len(len(body))
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body)) + body
     head += _CRC.pack(crc32c.crc32c(head))
     return head + bytes(_align(len(head)) - len(head))
@@ -382,7 +569,7 @@ def _tensor_entry(spec: TensorSpec) -> list[Any]:
         list(spec.size),
         list(spec.stride),
         spec.offset,
-        "parameter" if spec.kind is TensorKind.PARAMETER else "tensor",
+        _KIND_NAMES.get(spec.kind, "tensor"),  # a DTensor is stored as its local tensor
         spec.requires_grad,
     ]
     if spec.kind is TensorKind.DTENSOR:
@@ -404,6 +591,38 @@ def _scalar(value: Any) -> Any:
     if cls not in _SCALARS:
         raise TypeError(f"{cls.__qualname__} is not JSON-representable")
     return value
+
+
+def _leaf(value: Any) -> Any:
+    """The JSON form of a leaf value (docs/format.md, tree nodes), or raise TypeError/ValueError.
+
+    Exact: numpy scalars are stored as their bits, so NaN payloads and -0.0 survive too.
+    """
+    cls = type(value)
+    if cls in _SCALARS:
+        return _scalar(value)
+    if cls is bytes:
+        return ["bytes", binascii.b2a_base64(value, newline=False).decode("ascii")]
+    if cls is complex:
+        return ["complex", _scalar(value.real), _scalar(value.imag)]
+    if cls is torch.Size:
+        if len(value) > MAX_NDIM or not all(-_INT64 <= n < _INT64 for n in value):
+            raise ValueError(f"a torch.Size must hold at most {MAX_NDIM} 64-bit ints")
+        return ["size", list(value)]
+    if cls is torch.dtype:
+        name = _TORCH_DTYPE_LEAF_NAMES.get(value)
+        if name is None:
+            raise ValueError(f"{value} is not a dtype a replica can name")
+        return ["dtype", name]
+    if cls is torch.device:
+        return ["device", value.type, value.index]
+    if isinstance(value, np.generic):
+        name = _NUMPY_NAMES.get((value.dtype.kind, value.dtype.itemsize))
+        if name is None or value.dtype.fields is not None:
+            raise TypeError(f"numpy {value.dtype} scalars are not stored (only {', '.join(NUMPY_DTYPES)})")
+        little = NUMPY_DTYPES[name].newbyteorder("<")
+        return ["numpy", name, int.from_bytes(np.asarray(value, dtype=little).tobytes(), "little")]
+    raise TypeError(f"{cls.__qualname__} is not a value a replica holds")
 
 
 def _attr_name_ok(name: object) -> bool:
@@ -442,19 +661,27 @@ class _TreeEncoder:
         self.memo: dict[int, int] = {}  # plan memo -> post-order container number
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
+        self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
+        self.schema = 1  # the header's "format": 2 once a format-2 node is written
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
             case TensorNode(index):
                 if index not in self.seen:
                     self.seen.add(index)
+                    self.charged += _COST_PATH + 8 * len(path)
                     self._check_tensor(self.plan.tensors[index], path)
+                    if self.plan.tensors[index].kind in _V2_KINDS:
+                        self.schema = 2
                 return ["tensor", index]
             case AtomNode(value):
                 try:
-                    return _scalar(value)
+                    leaf = _leaf(value)
                 except (TypeError, ValueError) as exc:
                     raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
+                if type(leaf) is list and leaf[0] in _V2_LEAVES:
+                    self.schema = 2
+                return leaf
             case RefNode(memo):
                 return ["ref", self.memo[memo]]
             case DictNode(memo, keys, values, proto, attrs):
@@ -501,7 +728,9 @@ class _TreeEncoder:
             case CopyNode(value) | ObjectNode(cls=value):
                 what = value.__qualname__ if isinstance(value, type) else type(value).__qualname__
                 raise UnsupportedInputError(
-                    path, f"{what} cannot be stored in a replica (only tensors, containers and JSON values)"
+                    path,
+                    f"{what} cannot be stored in a replica (only tensors, numpy arrays, containers "
+                    "and plain values: see docs/format.md)",
                 )
         raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
 
@@ -522,6 +751,7 @@ class _TreeEncoder:
                     path, f"{cls.__qualname__} cannot be stored in a replica: {exc}"
                 ) from exc
             self.namedtuples.add((cls.__name__, fields))
+            self.charged += _COST_NAMEDTUPLE + 256 * len(fields)
         if arity != len(fields):
             raise UnsupportedInputError(path, f"{cls.__qualname__} holds {arity} items, {len(fields)} fields")
 
@@ -544,6 +774,75 @@ class _TreeEncoder:
             )
 
 
+# -- the parse cost bound -------------------------------------------------------------------
+
+# What parsing may allocate, per token of the header text (bytes, CPython 3.11, 64-bit),
+# measured on the densest headers of each kind (tests/test_format.py checks the sum bounds
+# the real peak): a value is a pointer in its JSON list, an object (an int, a float, an
+# AtomNode in the plan) and its slot in a plan tuple; a quote pair is a str object; a colon
+# is an object member (a pair tuple while the object is built, a dict slot after).
+_COST_VALUE: Final = 80
+_COST_QUOTE: Final = 30
+_COST_COLON: Final = 100
+_COST_DIGIT: Final = 10
+_COST_PATH: Final = 48  # a tensor's key path, stored in its TensorSpec: a tuple, plus 8 per key
+_COST_NAMEDTUPLE: Final = 8192  # a namedtuple class, plus 256 per field
+_DIGITS: Final = b"0123456789"
+_SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
+
+
+def _parse_cost(raw: bytes) -> int:
+    """An upper bound on what :func:`parse_prefix` allocates to parse header bytes ``raw``.
+
+    Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
+    Values, strings, members and digits are charged by :data:`_COST_VALUE` and the like;
+    the text itself once; the text without its trailing spaces (the padding) twice more,
+    for string contents and transients, or five times where a backslash-u escape can widen
+    a string to four bytes a character.  Tensor key paths and namedtuple classes depend on
+    the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
+    the encoder counts them the same way (:class:`_TreeEncoder`).
+    """
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    digits = len(raw) - len(raw.translate(None, _DIGITS))
+    return (
+        len(raw)
+        + (5 if b"\\u" in raw else 2) * _unpadded_len(raw)
+        + _COST_VALUE * values
+        + _COST_QUOTE * raw.count(b'"')
+        + _COST_COLON * raw.count(b":")
+        + _COST_DIGIT * digits
+    )
+
+
+def _unpadded_len(raw: bytes) -> int:
+    """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes."""
+    end = len(raw)
+    while end:
+        start = max(0, end - _SCAN)
+        kept = np.frombuffer(raw, np.uint8, end - start, start) != 0x20
+        if kept.any():
+            return end - int(np.argmax(kept[::-1]))
+        end = start
+    return 0
+
+
+def _parse_budget(raw: bytes, version: int) -> int:
+    """What is left for the structure-dependent charges; negative: refuse the header."""
+    factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
+    return factor * len(raw) + PARSE_SLACK - _parse_cost(raw)
+
+
+def _padded(header: str, charged: int) -> str:
+    """``header`` with the trailing spaces that make it fit :data:`PARSE_AMPLIFICATION`.
+
+    A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
+    ``3p``.  Headers of large tensors and long names need none; 20,000 small tensors need
+    about 600 bytes each.
+    """
+    short = -_parse_budget(header.encode("ascii"), FORMAT_VERSION) + charged
+    return header + " " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
+
+
 # -- decoding -----------------------------------------------------------------------------
 
 
@@ -560,9 +859,9 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
     magic, version, header_len = _FIXED.unpack(bytes(fixed[:FIXED_PREFIX_NBYTES]))
     if magic != MAGIC:
         raise IntegrityError(f"not an astage replica: magic {magic!r}")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise IntegrityError(
-            f"unsupported replica format version {version} (this astage reads {FORMAT_VERSION})"
+            f"unsupported replica format version {version} (this astage reads {sorted(READ_VERSIONS)})"
         )
     if header_len > HEADER_CAP:
         raise IntegrityError(f"header length {header_len} is over the {HEADER_CAP}-byte cap")
@@ -579,21 +878,31 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
     total = prefix_nbytes(view)
     if len(view) < total:
         raise IntegrityError(f"truncated: the prefix is {total} bytes, only {len(view)} available")
-    header_end = FIXED_PREFIX_NBYTES + _FIXED.unpack(bytes(view[:FIXED_PREFIX_NBYTES]))[2]
+    _, version, header_len = _FIXED.unpack(bytes(view[:FIXED_PREFIX_NBYTES]))
+    header_end = FIXED_PREFIX_NBYTES + header_len
     (stored,) = _CRC.unpack(view[header_end : header_end + _CRC.size])
     if crc32c.crc32c(view[:header_end]) != stored:
         raise IntegrityError("header checksum mismatch")
     if any(view[header_end + _CRC.size : total]):
         raise IntegrityError("non-zero bytes in the prefix padding")
-    try:
-        doc = json.loads(
-            bytes(view[FIXED_PREFIX_NBYTES:header_end]).decode("utf-8"),
-            parse_constant=_reject_constant,
-            object_pairs_hook=_unique_keys,
+    raw = bytes(view[FIXED_PREFIX_NBYTES:header_end])
+    budget = _parse_budget(raw, version)
+    if budget < 0:
+        raise IntegrityError(
+            f"header of {header_len} bytes is too dense: parsing it could allocate "
+            f"{_parse_cost(raw)} bytes, more than its format-{version} bound (docs/format.md)"
         )
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
+        raise IntegrityError(f"header is not ASCII: {exc}") from exc
+    del raw
+    try:
+        doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
-    return _HeaderParser(total).parse(doc)
+    del text
+    return _HeaderParser(total, version, budget).parse(doc)
 
 
 def _reject_constant(name: str) -> Any:
@@ -662,6 +971,68 @@ def _where(path: KeyPath) -> str:
     return f"tree at {format_key_path(path):.200}"
 
 
+def _float_part(raw: Any) -> float | None:
+    if type(raw) is float:
+        return raw
+    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
+        return _NONFINITE[raw[1]]
+    return None
+
+
+def _bytes_leaf(text: Any) -> bytes | None:
+    if type(text) is not str:
+        return None
+    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+
+
+def _complex_leaf(real: Any, imag: Any) -> complex | None:
+    re, im = _float_part(real), _float_part(imag)
+    return None if re is None or im is None else complex(re, im)
+
+
+def _size_leaf(dims: Any) -> torch.Size | None:
+    if type(dims) is not list or len(dims) > MAX_NDIM:
+        return None
+    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
+        return None
+    return torch.Size(dims)
+
+
+def _dtype_leaf(name: Any) -> torch.dtype | None:
+    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
+
+
+def _device_leaf(kind: Any, index: Any) -> torch.device | None:
+    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
+        return None
+    if index is None:
+        return torch.device(kind)
+    if type(index) is not int or not 0 <= index < 1 << 15:
+        return None
+    return torch.device(kind, index)  # RuntimeError for a type torch does not know
+
+
+def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
+    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
+    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
+        return None
+    if dtype.kind == "b" and bits > 1:
+        return None
+    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
+    return value
+
+
+_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
+    "bytes": _bytes_leaf,
+    "complex": _complex_leaf,
+    "size": _size_leaf,
+    "dtype": _dtype_leaf,
+    "device": _device_leaf,
+    "numpy": _numpy_leaf,
+}
+"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""
+
+
 class _RawTensor(NamedTuple):
     storage: int
     dtype: torch.dtype
@@ -676,16 +1047,21 @@ class _RawTensor(NamedTuple):
 class _HeaderParser:
     """Header JSON to :class:`ReplicaHeader`, checking every field."""
 
-    def __init__(self, prefix_len: int) -> None:
+    def __init__(self, prefix_len: int, version: int, budget: int) -> None:
         self.prefix_len = prefix_len
+        self.version = version
+        self.budget = budget  # see _parse_cost
         self.containers = 0
         self.paths: list[KeyPath | None] = []
         self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
 
     def parse(self, doc: Any) -> ReplicaHeader:
         doc = _object(doc, "document", _DOC_KEYS)
-        if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
-            raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
+        # The binary version set the parse bound; the JSON one says which nodes may appear.
+        schema = doc["format"]
+        if type(schema) is not int or schema not in READ_VERSIONS:
+            raise _fail("format", f"expected one of {sorted(READ_VERSIONS)}, got {schema!r:.40}")
+        self.version = schema
         holder = doc["holder_rank"]
         checkpoint_id = doc["checkpoint_id"]
         if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
@@ -722,6 +1098,7 @@ class _HeaderParser:
             segments=segments,
             plan=plan,
             dtensors=tuple(t.note for t in raw_tensors),
+            version=self.version,
         )
 
     @staticmethod
@@ -748,8 +1125,7 @@ class _HeaderParser:
             raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
         return tuple(out)
 
-    @staticmethod
-    def tensor(raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
+    def tensor(self, raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
         # Inline checks, no helper calls per dimension: this runs once per tensor.
         if type(raw) is not list or len(raw) not in (7, 8):
             raise _fail(where, f"expected a list of 7 or 8 fields, got {raw!r:.80}")
@@ -784,6 +1160,14 @@ class _HeaderParser:
             raise _fail(where, "requires_grad must be a bool")
         if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise _fail(where, f"a {dtype_name} tensor cannot require grad")
+        if tensor_kind in _V2_KINDS and self.version < 2:
+            raise _fail(where, f"kind {kind} needs format version 2")
+        if tensor_kind is TensorKind.NDARRAY and (
+            dtype_name not in NUMPY_DTYPES or requires_grad or len(raw) == 8
+        ):
+            raise _fail(
+                where, f"an ndarray must have a numpy dtype, no grad and no DTensor note, got {raw!r:.80}"
+            )
         note = None
         if len(raw) == 8:
             dt = _object(raw[7], f"{where} dtensor", _DTENSOR_KEYS)
@@ -793,6 +1177,11 @@ class _HeaderParser:
             note = DTensorNote(dt["placements"], global_shape)
         return _RawTensor(storage, dtype, size, strides, offset, tensor_kind, requires_grad, note)
 
+    def charge(self, nbytes: int) -> None:
+        self.budget -= nbytes
+        if self.budget < 0:
+            raise _fail("document", "too dense: parsing it would allocate more than its bound (_parse_cost)")
+
     def scalar(self, raw: Any, path: KeyPath) -> Any:
         if type(raw) in _SCALARS:
             return raw
@@ -800,14 +1189,30 @@ class _HeaderParser:
             return _NONFINITE[raw[1]]
         raise _fail(_where(path), f"expected a JSON scalar, got {raw!r:.80}")
 
+    def leaf(self, raw: list[Any], path: KeyPath) -> Any:
+        """A tagged leaf of format version 2 (``raw[0]`` is in :data:`_V2_LEAVES`)."""
+        tag = raw[0]
+        if self.version < 2:
+            raise _fail(_where(path), f"{tag!r} leaves need format version 2")
+        try:
+            value = _LEAF_DECODERS[tag](*raw[1:])
+        except (TypeError, ValueError, OverflowError, RuntimeError, binascii.Error) as exc:
+            raise _fail(_where(path), f"malformed {tag} leaf {raw!r:.80}: {exc}") from exc
+        if value is None:
+            raise _fail(_where(path), f"malformed {tag} leaf {raw!r:.80}")
+        return value
+
     def node(self, raw: Any, path: KeyPath, depth: int) -> Node:
         if type(raw) is not list or not raw or raw[0] == "float":
             return AtomNode(self.scalar(raw, path))
+        if type(raw[0]) is str and raw[0] in _V2_LEAVES:
+            return AtomNode(self.leaf(raw, path))
         tag = raw[0]
         if tag == "tensor" and len(raw) == 2 and type(raw[1]) is int and 0 <= raw[1] < len(self.paths):
             index = raw[1]
             if self.paths[index] is None:
                 self.paths[index] = path
+                self.charge(_COST_PATH + 8 * len(path))
             return TensorNode(index)
         where = _where(path)
         if tag == "ref":
@@ -855,6 +1260,7 @@ class _HeaderParser:
         if known is not None:
             return known
         try:
+            self.charge(_COST_NAMEDTUPLE + 256 * len(fields))
             made = _namedtuple_class(typename, fields)
         except (ValueError, TypeError) as exc:
             raise _fail(where, f"invalid namedtuple: {exc}") from exc

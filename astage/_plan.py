@@ -126,6 +126,7 @@ class TensorKind(enum.Enum):
     TENSOR = "tensor"
     PARAMETER = "parameter"
     DTENSOR = "dtensor"
+    NDARRAY = "ndarray"  # a numpy array stored as a raw storage; only replicas (_format) make it
 
 
 # Specs and leaf nodes are NamedTuples, not frozen dataclasses: a plan holds one per tensor,
@@ -640,6 +641,8 @@ class _Rebuilder:
             out = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
         elif spec.kind is TensorKind.DTENSOR:
             out = cast(Any, _dtensor_class())(local, spec.dtensor_spec, requires_grad=spec.requires_grad)
+        elif spec.kind is TensorKind.NDARRAY:
+            out = cast(Any, local.numpy())  # shares the storage's memory, like every tensor here
         else:
             out = local.requires_grad_(spec.requires_grad) if spec.requires_grad else local
         if spec.attrs is not None:

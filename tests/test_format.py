@@ -9,6 +9,7 @@ import json
 import math
 import pickle
 import struct
+import tracemalloc
 import warnings
 from typing import Any, NamedTuple
 
@@ -24,10 +25,14 @@ from astage._format import (
     ALIGNMENT,
     DTYPES,
     FIXED_PREFIX_NBYTES,
+    FORMAT_VERSION,
     HEADER_CAP,
+    LEGACY_PARSE_AMPLIFICATION,
     MAGIC,
     MAX_DEPTH,
     MAX_NDIM,
+    PARSE_AMPLIFICATION,
+    PARSE_SLACK,
     BodyVerifier,
     decode,
     encode,
@@ -369,18 +374,22 @@ class MyList(list[Any]):
     ("value", "fragment"),
     [
         ({1, 2}, "set"),
-        (b"raw", "bytes"),
-        (1 + 2j, "complex"),
+        (bytearray(b"raw"), "bytearray"),
         (object(), "object"),
         (Config(), "Config"),
         (collections.defaultdict(list), "defaultdict"),
         (MyList([1]), "MyList"),
-        (torch.device("cpu"), "device"),
-        (torch.float32, "dtype"),
-        (np.float64(1.0), "float64"),
-        (np.zeros(2), "ndarray"),
+        (lambda: 0, "function"),
+        (torch.strided, "layout"),
+        (np.longdouble(1.0), "float128"),
+        (np.datetime64("2020-01-01"), "datetime64"),
+        (np.str_("x"), "<U1"),
+        (np.zeros(2, dtype=object), "object"),
+        (np.zeros(2, dtype="U3"), "<U3"),
+        (np.zeros(2, dtype=[("a", "i4")]), "a"),
+        (np.ma.masked_array([1, 2]), "MaskedArray"),
         (10**5000, "too large"),
-        (torch.Size([2]), "Size"),
+        (torch.Size([2] * 65), "Size"),
     ],
     ids=lambda v: type(v).__name__ if not isinstance(v, str) else v,
 )
@@ -598,8 +607,10 @@ def test_wrong_magic_and_version_are_named() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="magic"):
         parse_prefix(b"PK\x03\x04" + data[4:])
-    with pytest.raises(astage.IntegrityError, match="version 2"):
-        parse_prefix(data[:8] + struct.pack("<I", 2) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 3"):
+        parse_prefix(data[:8] + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 0"):
+        parse_prefix(data[:8] + struct.pack("<I", 0) + data[12:])
 
 
 class _Boom:
@@ -611,14 +622,14 @@ class _Boom:
 
 def _forge(header_json: bytes) -> bytes:
     """A prefix around arbitrary header bytes with a correct checksum: a deliberate forgery."""
-    head = MAGIC + struct.pack("<IQ", 1, len(header_json)) + header_json
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header_json)) + header_json
     head += struct.pack("<I", crc32c.crc32c(head))
     return head + bytes(-len(head) % ALIGNMENT)
 
 
 def test_a_pickle_payload_is_rejected_without_running() -> None:
     payload = pickle.dumps({"tree": _Boom()})
-    with pytest.raises(astage.IntegrityError, match="JSON"):
+    with pytest.raises(astage.IntegrityError, match="not ASCII"):
         parse_prefix(_forge(payload))
     with pytest.raises(astage.IntegrityError):
         parse_prefix(_forge(json.dumps({"pickle": payload.hex()}).encode()))
@@ -650,7 +661,8 @@ def _with_attrs(tag: str, attrs: Any) -> dict[str, Any]:
 _HOSTILE = {
     "unknown key": {**_doc(), "extra": 1},
     "missing key": {k: v for k, v in _doc().items() if k != "step"},
-    "format 2": _mutate(("format",), 2),
+    "format 2.0": _mutate(("format",), 2.0),
+    "format 3": _mutate(("format",), 3),
     "owner as str": _mutate(("owner_rank",), "0"),
     "negative holder": _mutate(("holder_rank",), -1),
     "float step": _mutate(("step",), 1.0),
@@ -771,3 +783,115 @@ def test_decode_checks_its_body_argument() -> None:
         decode(header, torch.zeros(header.body_nbytes // 4, dtype=torch.float32))
     with pytest.raises(astage.IntegrityError, match="body is"):
         verify_body(header, torch.zeros(header.body_nbytes - 1, dtype=torch.uint8))
+
+
+# -- the parse memory bound (issue 9, item 7) ---------------------------------------------------
+
+
+def _parse_peak(data: bytes) -> tuple[int, bool]:
+    """Peak bytes :func:`parse_prefix` allocates on ``data`` (tracemalloc), and whether it parsed."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        try:
+            parse_prefix(data)
+        except astage.IntegrityError:
+            return tracemalloc.get_traced_memory()[1], False
+        return tracemalloc.get_traced_memory()[1], True
+    finally:
+        tracemalloc.stop()
+
+
+def _forge_version(header_json: bytes, version: int) -> bytes:
+    head = MAGIC + struct.pack("<IQ", version, len(header_json)) + header_json
+    head += struct.pack("<I", crc32c.crc32c(head))
+    return head + bytes(-len(head) % ALIGNMENT)
+
+
+_MIB = 1 << 20
+_N = _MIB // 3  # about 1 MiB of the densest items
+
+
+def _in_doc(tree: Any) -> bytes:
+    """A header that is valid but for ``tree``, so the damage sits where a parser goes deep."""
+    doc = _doc()
+    doc["tree"] = tree
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+_DENSE_HEADERS: dict[str, Any] = {
+    "[[]]*N": lambda: json.dumps([[]] * _N, separators=(",", ":")).encode(),
+    "[{}]*N": lambda: json.dumps([{}] * _N, separators=(",", ":")).encode(),
+    '{"":{}} nested pairs': lambda: json.dumps([{"": {}}] * (_N // 3), separators=(",", ":")).encode(),
+    "deep nesting": lambda: b"[" * (_MIB // 2) + b"]" * (_MIB // 2),
+    "many short strings": lambda: json.dumps(["ab"] * (_N // 2), separators=(",", ":")).encode(),
+    "many small ints": lambda: json.dumps([0] * (_MIB // 2), separators=(",", ":")).encode(),
+    "many floats": lambda: json.dumps([0.5] * (_N // 2), separators=(",", ":")).encode(),
+    "many big ints": lambda: json.dumps([1000] * (_N // 2), separators=(",", ":")).encode(),
+    "empty lists in the tree": lambda: _in_doc(["list", [["list", []]] * (_N // 4)]),
+    "zeros in the tree (a valid tree)": lambda: _in_doc(["list", [0] * (_MIB // 2)]),
+    "members of attrs (a valid tree)": lambda: _in_doc(
+        ["odict", [], [], {f"a{i}": 0 for i in range(_N // 4)}]
+    ),
+    "wide strings": lambda: json.dumps(["\u4e00" + "a" * 60] * (_N // 40)).encode(),
+}
+
+
+@pytest.mark.parametrize("make", list(_DENSE_HEADERS.values()), ids=list(_DENSE_HEADERS))
+def test_no_header_makes_the_parser_allocate_more_than_its_bound(make: Any) -> None:
+    # On main, a header of empty lists made json.loads peak above 20 times its length.
+    header = make()
+    assert len(header) > _MIB // 2  # "a few" MiB, scaled to keep the run quick
+    peak, _ = _parse_peak(_forge_version(header, FORMAT_VERSION))
+    assert peak <= PARSE_AMPLIFICATION * len(header) + PARSE_SLACK, peak / len(header)
+
+
+@pytest.mark.parametrize("name", ["[[]]*N", "many short strings", "zeros in the tree (a valid tree)"])
+def test_version_1_headers_keep_the_looser_bound_they_were_written_under(name: str) -> None:
+    header = _DENSE_HEADERS[name]()
+    peak, _ = _parse_peak(_forge_version(header, 1))
+    assert peak <= LEGACY_PARSE_AMPLIFICATION * len(header) + PARSE_SLACK, peak / len(header)
+
+
+def _deep(tensors: int, depth: int) -> Any:
+    tree: Any = {f"t{i}": torch.zeros(1) for i in range(tensors)}
+    for _ in range(depth):
+        tree = {"x": tree}
+    return tree
+
+
+_Pair = collections.namedtuple("_Pair", ["a", "b"])
+
+_DENSE_STATES: dict[str, Any] = {
+    "3k small tensors": lambda: {f"k{i}": torch.zeros(i % 7 + 1) for i in range(3_000)},
+    "tensors 120 deep": lambda: _deep(500, 120),
+    "30k zeros": lambda: {"z": [0] * 30_000},
+    "10k empty lists": lambda: {"z": [[] for _ in range(10_000)]},
+    "5k namedtuples": lambda: {"z": [_Pair(i, 0.5) for i in range(5_000)]},
+    "50 namedtuple classes": lambda: {
+        "z": [collections.namedtuple(f"N{i}", [f"f{j}" for j in range(20)])(*range(20)) for i in range(50)]
+    },
+    "5k numpy scalars and sizes": lambda: {"z": [(np.float32(i), torch.Size([i])) for i in range(5_000)]},
+    "non-ASCII keys": lambda: {f"\u5c42{i}": torch.zeros(1) for i in range(2_000)},
+    "a 2 MiB bytes leaf": lambda: {"b": b"\xff" * (2 * _MIB)},
+}
+
+
+@pytest.mark.parametrize("make", list(_DENSE_STATES.values()), ids=list(_DENSE_STATES))
+def test_every_header_the_encoder_writes_parses_within_the_bound(make: Any) -> None:
+    encoded = encode(make(), owner_rank=0, step=0, checkpoint_id="dense")
+    header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
+    peak, valid = _parse_peak(encoded.prefix)
+    assert valid
+    assert peak <= PARSE_AMPLIFICATION * header_len + PARSE_SLACK, peak / header_len
+
+
+def test_an_unpadded_dense_header_is_refused_before_parsing() -> None:
+    # What the encoder writes, minus the padding that buys its parse budget.
+    encoded = encode({"z": [0] * 100_000}, owner_rank=0, step=0, checkpoint_id="")
+    header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
+    header = encoded.prefix[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len]
+    assert header.endswith(b" ")
+    with pytest.raises(astage.IntegrityError, match="too dense"):
+        parse_prefix(_forge(header.rstrip(b" ")))
+    assert parse_prefix(_forge(header)).num_tensors == 0  # the padded one is fine

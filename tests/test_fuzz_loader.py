@@ -38,6 +38,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -58,7 +59,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._format import ALIGNMENT, FIXED_PREFIX_NBYTES, HEADER_CAP, MAGIC, decode, encode, parse_prefix
+from astage._format import (
+    ALIGNMENT,
+    FIXED_PREFIX_NBYTES,
+    FORMAT_VERSION,
+    HEADER_CAP,
+    MAGIC,
+    NUMPY_DTYPES,
+    decode,
+    encode,
+    parse_prefix,
+)
 from astage._persist import find_replicas, load_replica_sync
 from astage._replication import _read_replica_file
 from tests.statedicts import ALL_DTYPES, random_tensor, tensors_of
@@ -109,9 +120,37 @@ _scalars = st.one_of(
     st.text(max_size=6),
 )
 _keys = st.one_of(st.text(max_size=4), st.integers(-3, 3))
+
+
+def _numpy_values(dtype: np.dtype[Any], raw: bytes) -> np.ndarray[Any, Any]:
+    """``raw`` as values of ``dtype``, any bits (NaN payloads too), bools only 0 or 1."""
+    raw = raw[: len(raw) // dtype.itemsize * dtype.itemsize]
+    return np.frombuffer(bytes(b & 1 for b in raw) if dtype.kind == "b" else raw, dtype)
+
+
+_NUMPY_DTYPES = [np.dtype(name) for name in NUMPY_DTYPES]
+_format_2_leaves = st.one_of(
+    st.binary(max_size=8),
+    st.complex_numbers(),
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3).map(torch.Size),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.complex32, torch.quint8, torch.int4]),
+    st.sampled_from([torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")]),
+    st.builds(
+        lambda dtype, raw: _numpy_values(dtype, raw)[0],
+        st.sampled_from(_NUMPY_DTYPES),
+        st.binary(min_size=16, max_size=16),
+    ),
+)
 _specs = st.recursive(
     st.one_of(
         _scalars.map(lambda v: ("scalar", v)),
+        _format_2_leaves.map(lambda v: ("scalar", v)),
+        st.tuples(
+            st.just("ndarray"),
+            st.sampled_from(_NUMPY_DTYPES),
+            st.lists(st.integers(0, 3), max_size=3),
+            st.sampled_from(["C", "F", "T"]),
+        ),
         st.tuples(st.just("tensor"), st.sampled_from(ALL_DTYPES), st.lists(st.integers(0, 3), max_size=3)),
         st.tuples(st.just("view"), st.integers(0, 7), st.sampled_from(["same", "flat", "tail", "t"])),
         st.tuples(st.just("parameter"), st.integers(1, 4)),
@@ -135,6 +174,11 @@ def _build(spec: Any, gen: torch.Generator, tensors: list[torch.Tensor]) -> Any:
         return tensor
     if kind == "parameter":
         return torch.nn.Parameter(torch.randn(spec[1], generator=gen))
+    if kind == "ndarray":
+        nbytes = math.prod(spec[2]) * spec[1].itemsize
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+        array = _numpy_values(spec[1], raw).reshape(spec[2])
+        return np.asfortranarray(array) if spec[3] == "F" else array.T if spec[3] == "T" else array.copy()
     if kind == "view":
         if not tensors:
             return torch.zeros(2, dtype=torch.int16)
@@ -190,7 +234,7 @@ def _split(data: bytes) -> tuple[Any, bytes] | None:
 
 def forge(header: bytes, body: bytes) -> bytes:
     """A prefix around ``header`` with a correct checksum and padding, then ``body``."""
-    head = MAGIC + struct.pack("<IQ", 1, len(header)) + header
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header
     head += _CRC.pack(crc32c.crc32c(head))
     return head + bytes(-len(head) % ALIGNMENT) + body
 
@@ -344,6 +388,7 @@ _interesting_ints = st.sampled_from(
 )
 _TAGS_AND_NAMES = [
     *("tensor", "ref", "dict", "odict", "list", "tuple", "namedtuple", "float", "nan", "parameter"),
+    *("bytes", "complex", "size", "dtype", "device", "numpy", "ndarray", "cuda", "uint64", "complex32"),
     *("float32", "object", "torch.float32", "__reduce__", "os.system", "__import__('os')", TEXT_PAYLOAD),
 ]
 _json_values = st.recursive(
@@ -469,6 +514,14 @@ def guarded(readable: Path) -> Iterator[None]:
 # -- the property ----------------------------------------------------------------------------------
 
 
+def arrays_of(tree: Any) -> list[np.ndarray[Any, Any]]:
+    """Every numpy array in a decoded tree (dicts, lists and tuples)."""
+    if isinstance(tree, np.ndarray):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return [a for item in items for a in arrays_of(item)]
+
+
 def _in_memory(data: bytes) -> Any:
     header = parse_prefix(data)
     body = torch.from_numpy(np.frombuffer(bytearray(data[header.prefix_nbytes :]), dtype=np.uint8))
@@ -512,6 +565,8 @@ def check_loaders(data: bytes, path: Path) -> str:
         return str(from_file[1]).removeprefix(f"{path}: ")[:24]
     for tensor in tensors_of(from_file[1]) + tensors_of(from_memory[1]):
         tensor.detach().clone()  # every element is inside the body
+    for array in arrays_of(from_file[1]) + arrays_of(from_memory[1]):
+        array.copy()
     return "valid"
 
 

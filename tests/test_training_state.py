@@ -1,0 +1,484 @@
+"""What training states hold goes into a replica and comes back exactly; the rest is refused
+by ``Checkpointer.save()`` itself.
+
+Format 2 stores numpy arrays (as raw storages) and scalars, ``torch.Size``, ``torch.dtype``,
+``torch.device``, ``bytes`` and ``complex``; RNG states of torch, numpy and :mod:`random`
+round-trip bit for bit.  Each kind goes through :func:`encode`/:func:`decode` and through a
+real Checkpointer (real files, fsync).  A value the format cannot hold raises
+:class:`UnsupportedInputError` from ``save()``, naming its key path, and nothing of it
+is reported later; a failure in the background is logged in one line.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import logging
+import math
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import astage
+from astage._format import FIXED_PREFIX_NBYTES, NUMPY_DTYPES, decode, encode, parse_prefix
+from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def round_trip(state: Any) -> Any:
+    """``state`` through encode, the bytes, parse_prefix and decode."""
+    data = b"".join(encode(state, owner_rank=0, step=1, checkpoint_id="t").buffers())
+    header = parse_prefix(data)
+    body = torch.from_numpy(np.frombuffer(bytearray(data[header.prefix_nbytes :]), dtype=np.uint8))
+    return decode(header, body)
+
+
+def assert_exact(got: Any, want: Any, where: str = "state") -> None:
+    """Equal type and bits all the way down (NaNs with their payload, -0.0 with its sign)."""
+    assert type(got) is type(want), (where, type(got), type(want))
+    if isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype.newbyteorder("="), where  # native byte order
+        assert got.shape == want.shape, where
+        assert got.tobytes() == np.ascontiguousarray(want, dtype=got.dtype).tobytes(), where
+    elif isinstance(want, np.generic):
+        assert got.dtype == want.dtype, where
+        assert got.tobytes() == want.tobytes(), (where, got, want)
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype, where
+        assert got.shape == want.shape, where
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for key in want:
+            assert_exact(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_exact(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want) or (math.isnan(got) and math.isnan(want))
+    elif isinstance(want, complex):
+        assert_exact(got.real, want.real, f"{where}.real")
+        assert_exact(got.imag, want.imag, f"{where}.imag")
+    else:
+        assert got == want, (where, got, want)
+
+
+def rng_states() -> dict[str, Any]:
+    """Every RNG state a training loop saves, after some draws (torch's global one untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        torch.rand(5)
+        torch_state = torch.get_rng_state()
+    legacy = np.random.RandomState(4)
+    legacy.standard_normal(3)  # leaves a cached gaussian: the state's float is not 0.0
+    generator = np.random.default_rng(5)
+    generator.random(7)
+    python = random.Random(6)
+    python.random()
+    return {
+        "torch": torch_state,
+        "numpy_legacy": legacy.get_state(),
+        "numpy_generator": generator.bit_generator.state,
+        "python": python.getstate(),
+    }
+
+
+def training_state() -> dict[str, Any]:
+    """A training state as people write them: every leaf kind format 2 added, and RNGs."""
+    weights = torch.randn(4, 3)
+    return {
+        "model": {"weight": weights, "bias": torch.zeros(3)},
+        "shapes": {"weight": weights.shape, "empty": torch.Size([])},
+        "dtype": torch.bfloat16,
+        "amp_dtype": torch.float16,
+        "device": torch.device("cuda", 1),
+        "cpu": torch.device("cpu"),
+        "rng": rng_states(),
+        "loss_history": np.array([0.5, 0.25, np.nan], dtype=np.float32),
+        "best": np.float64(0.125),
+        "epoch": np.int64(7),
+        "done": np.bool_(False),
+        "seen": np.uint64(2**64 - 1),
+        "digest": b"\x00\x01\xfe\xff",
+        "phase": complex(1.0, -0.0),
+        "big": 2**200 + 1,
+        "neg_zero": -0.0,
+    }
+
+
+# -- every leaf kind, through encode/decode --------------------------------------------------
+
+
+_LEAVES = {
+    "torch.Size": torch.Size([2, 0, 5]),
+    "torch.Size()": torch.Size([]),
+    "torch.dtype": torch.float8_e4m3fn,
+    "torch.dtype outside the tensor allow-list": torch.complex32,
+    "torch.device cuda:3": torch.device("cuda", 3),
+    "torch.device cpu": torch.device("cpu"),
+    "torch.device meta": torch.device("meta"),
+    "bytes": bytes(range(256)),
+    "empty bytes": b"",
+    "complex": complex(-1.5, 2.25),
+    "complex inf nan": complex(math.inf, math.nan),
+    "np.bool_": np.bool_(True),
+    "np.float16": np.float16(-0.0),
+    "np.float32": np.float32(1) / 3,
+    "np.float64 NaN payload": np.frombuffer(struct.pack("<Q", 0x7FF8_0000_0000_0ABC), np.float64)[0],
+    "np.int8": np.int8(-128),
+    "np.uint64": np.uint64(2**64 - 1),
+    "np.complex128": np.complex128(1 - 2j),
+    "np.intc": np.intc(5),
+    "int 2**200": -(2**200),
+    "float -0.0": -0.0,
+    "np 0-d array": np.array(2.5),
+    "np bool array": np.array([[True, False], [False, True]]),
+    "np Fortran array": np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    "np strided view": np.arange(20, dtype=np.int16)[::3],
+    "np transposed view": np.arange(24, dtype=np.uint32).reshape(2, 3, 4).transpose(2, 0, 1),
+    "np big-endian array": np.arange(5, dtype=">f8"),
+    "np read-only broadcast": np.broadcast_to(np.arange(3, dtype=np.int64), (4, 3)),
+    "np empty array": np.zeros((0, 3), dtype=np.complex64),
+}
+
+
+@pytest.mark.parametrize("value", list(_LEAVES.values()), ids=list(_LEAVES))
+def test_each_leaf_kind_round_trips_exactly(value: Any) -> None:
+    assert_exact(round_trip({"x": value, "in": [value]}), {"x": value, "in": [value]})
+
+
+def test_the_header_says_format_2_only_where_the_tree_needs_it() -> None:
+    def schema(state: Any) -> int:
+        data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
+        length = struct.unpack_from("<Q", data, 12)[0]
+        return int(json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])["format"])
+
+    assert schema({"w": torch.ones(2), "lr": 0.1}) == 1
+    assert schema({"w": torch.ones(2), "shape": torch.Size([2])}) == 2
+    assert schema({"w": np.ones(2)}) == 2
+
+
+def test_rng_states_round_trip_bit_exactly_and_continue_the_same_streams() -> None:
+    saved = rng_states()
+    back = round_trip(saved)
+    assert_exact(back, saved)
+    legacy, generator, python = np.random.RandomState(), np.random.default_rng(), random.Random()
+    legacy.set_state(back["numpy_legacy"])
+    generator.bit_generator.state = back["numpy_generator"]
+    python.setstate(back["python"])
+    torch_from_back, torch_from_saved = torch.Generator(), torch.Generator()
+    torch_from_back.set_state(back["torch"])
+    torch_from_saved.set_state(saved["torch"])
+    draws = (
+        legacy.standard_normal(4),
+        generator.random(4),
+        python.random(),
+        torch.rand(4, generator=torch_from_back),
+    )
+    legacy.set_state(saved["numpy_legacy"])
+    generator.bit_generator.state = saved["numpy_generator"]
+    python.setstate(saved["python"])
+    expected = (
+        legacy.standard_normal(4),
+        generator.random(4),
+        python.random(),
+        torch.rand(4, generator=torch_from_saved),
+    )
+    assert_exact(list(draws), list(expected))
+
+
+def test_an_array_met_twice_comes_back_as_one_array() -> None:
+    array = np.arange(6)
+    back = round_trip({"a": array, "b": [array], "other": array.copy()})
+    assert back["a"] is back["b"][0]
+    assert back["a"] is not back["other"]
+
+
+_NUMPY_DTYPE_LIST = list(NUMPY_DTYPES.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    array=hnp.arrays(
+        st.sampled_from(_NUMPY_DTYPE_LIST).flatmap(lambda d: st.sampled_from([d, d.newbyteorder()])),
+        hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+        elements=None,
+    ),
+    layout=st.sampled_from(["as is", "F", "transposed", "step", "read-only"]),
+)
+def test_numpy_arrays_of_every_dtype_and_layout_round_trip(array: np.ndarray[Any, Any], layout: str) -> None:
+    if layout == "F":
+        array = np.asfortranarray(array)
+    elif layout == "transposed":
+        array = array.T
+    elif layout == "step" and array.ndim:
+        array = array[::2]
+    elif layout == "read-only":
+        array.flags.writeable = False
+    assert_exact(round_trip({"a": array}), {"a": array})
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from(_NUMPY_DTYPE_LIST), data=st.data())
+def test_numpy_scalars_round_trip_their_exact_bits(dtype: np.dtype[Any], data: st.DataObject) -> None:
+    raw = data.draw(st.binary(min_size=dtype.itemsize, max_size=dtype.itemsize))
+    if dtype.kind == "b":
+        raw = bytes([raw[0] & 1])
+    scalar = np.frombuffer(raw, dtype)[0]
+    assert_exact(round_trip({"s": scalar}), {"s": scalar})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.one_of(
+        st.integers(-(2**4000), 2**4000),
+        st.floats(allow_nan=False),
+        st.complex_numbers(allow_nan=False),
+        st.binary(max_size=64),
+    )
+)
+def test_python_ints_floats_complex_and_bytes_round_trip(value: Any) -> None:
+    assert_exact(round_trip({"v": value, "k": [value]}), {"v": value, "k": [value]})
+
+
+# -- old files --------------------------------------------------------------------------------
+
+# A version-1 replica written by astage before format 2 (main at 2fa0a77):
+# {"w": arange(6.).reshape(2, 3), "p": P(a=1, b=[2.5, nan]), "od": OrderedDict(x=tensor([True,
+# False])), "alias": <w again>}, owner 3, step 7, checkpoint "v1".
+_VERSION_1 = base64.b64decode(
+    "QVNUQUdFAFIBAAAAmQEAAAAAAAB7ImZvcm1hdCI6MSwib3duZXJfcmFuayI6MywiaG9sZGVyX3JhbmsiOm51bGwsInN0ZXAi"
+    "OjcsImNoZWNrcG9pbnRfaWQiOiJ2MSIsImNyZWF0ZWQiOjEuNSwiYm9keV9uYnl0ZXMiOjY2LCJzdG9yYWdlcyI6W1swLDI0"
+    "LDIwMjA4ODMwMzddLFs2NCwyLDM4MDQ0OTE2ODVdXSwidGVuc29ycyI6W1swLCJmbG9hdDMyIixbMiwzXSxbMywxXSwwLCJ0"
+    "ZW5zb3IiLGZhbHNlXSxbMSwiYm9vbCIsWzJdLFsxXSwwLCJ0ZW5zb3IiLGZhbHNlXV0sInRyZWUiOlsiZGljdCIsWyJ3Iiwi"
+    "cCIsIm9kIiwiYWxpYXMiXSxbWyJ0ZW5zb3IiLDBdLFsibmFtZWR0dXBsZSIsIlAiLFsiYSIsImIiXSxbMSxbImxpc3QiLFsy"
+    "LjUsWyJmbG9hdCIsIm5hbiJdXV1dXSxbIm9kaWN0IixbIngiXSxbWyJ0ZW5zb3IiLDFdXV0sWyJ0ZW5zb3IiLDBdXV19PzrM"
+    "pwAAAAAAAAAAAAAAAAAAAAAAAAAAAIA/AAAAQAAAQEAAAIBAAACgQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+    "AAAAAAAAAAABAA=="
+)
+
+
+def test_version_1_files_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "old.astage"
+    path.write_bytes(_VERSION_1)
+    header = parse_prefix(_VERSION_1)
+    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (1, 3, 7, "v1")
+    state = astage.load_replica_sync(path)
+    assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3))
+    assert state["alias"] is state["w"]
+    assert state["p"][:1] == (1,)
+    assert state["p"].b[0] == 2.5
+    assert math.isnan(state["p"].b[1])
+    assert type(state["od"]) is collections.OrderedDict
+    assert state["od"]["x"].tolist() == [True, False]
+
+
+def _as_version_1(state: Any) -> bytes:
+    """A replica of ``state`` as version 1 wrote it: binary and format 1, no padding."""
+    data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
+    length = struct.unpack_from("<Q", data, 12)[0]
+    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length].rstrip(b" ")
+    header = header.replace(b'"format":2', b'"format":1')
+    head = data[:8] + struct.pack("<IQ", 1, len(header)) + header
+    head += struct.pack("<I", crc32c.crc32c(head))
+    return head + bytes(-len(head) % 64) + data[parse_prefix(data).prefix_nbytes :]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.arange(3), np.float32(1), torch.Size([1]), b"x"],
+    ids=["ndarray", "np scalar", "Size", "bytes"],
+)
+def test_a_version_1_header_cannot_use_version_2_nodes(value: Any) -> None:
+    with pytest.raises(astage.IntegrityError, match="version 2"):
+        parse_prefix(_as_version_1({"v": value}))
+
+
+# -- through the Checkpointer (real files) ------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_training_state_round_trips_through_the_checkpointer(tmp_path: Path) -> None:
+    state = training_state()
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state)).wait()
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        restored = await ckpt.restore()
+    assert_exact(restored, state)
+
+
+class _NotStorable:
+    pass
+
+
+_UNSTORABLE = {
+    "lambda": (lambda: 0, "function"),
+    "object": (_NotStorable(), "_NotStorable"),
+    "set": ({1, 2}, "set"),
+    "bytearray": (bytearray(b"x"), "bytearray"),
+    "float128": (np.longdouble(1), "float128"),
+    "object array": (np.array([None, 1], dtype=object), "object"),
+    "generator": (np.random.default_rng(0), "Generator"),
+    "layout": (torch.strided, "layout"),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("value", "fragment"), list(_UNSTORABLE.values()), ids=list(_UNSTORABLE))
+async def test_save_refuses_what_the_format_cannot_store_and_reports_nothing_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, value: Any, fragment: str
+) -> None:
+    stager = astage.DefaultStager()
+    async with stager, astage.Checkpointer(tmp_path, stager=stager) as ckpt:
+        with caplog.at_level(logging.WARNING, logger="astage"):
+            with pytest.raises(astage.UnsupportedInputError) as info:
+                await ckpt.save(1, {"model": {"w": torch.ones(3)}, "extra": [0, {"bad": value}]})
+            assert info.value.key_path[:3] == ("extra", 1, "bad")
+            assert "state_dict['extra'][1]['bad']" in str(info.value)
+            assert fragment in str(info.value)
+            assert ckpt.in_flight == ()
+            await ckpt.wait()  # nothing is reported later
+            await (await ckpt.save(1, {"w": torch.ones(3)})).wait()  # the same step, fixed
+        assert ckpt.steps() == [1]
+        assert stager.pool_stats().handed_out_bytes == 0
+    assert caplog.records == []
+
+
+class _FailingReplicator:
+    async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> None:
+        raise astage.TransportError(f"peer went away while replicating step {step}")
+
+
+@pytest.mark.anyio
+async def test_a_background_failure_is_logged_once_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with astage.Checkpointer(tmp_path, replication=_FailingReplicator()) as ckpt:
+        with caplog.at_level(logging.DEBUG, logger="astage"):
+            handle = await ckpt.save(1, {"w": torch.ones(2)})
+            with pytest.raises(astage.PersistError, match="step 1"):
+                await handle.wait()
+    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(failures) == 1
+    (record,) = failures
+    assert record.exc_info is None
+    assert "\n" not in record.getMessage()
+    assert "step 1 failed" in record.getMessage()
+    assert "peer went away while replicating step 1" in record.getMessage()
+
+
+# -- hostile format-2 nodes -------------------------------------------------------------------
+
+
+def _forged(edit: Any) -> bytes:
+    """A format-2 replica of ``{"a": np.arange(3), "x": 1.5}`` with its header edited, checksum right."""
+    data = b"".join(encode({"a": np.arange(3), "x": 1.5}, owner_rank=0, step=0, checkpoint_id="").buffers())
+    length = struct.unpack_from("<Q", data, 12)[0]
+    doc = json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])
+    edit(doc)
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    head = data[:12] + struct.pack("<Q", len(header)) + header
+    head += struct.pack("<I", crc32c.crc32c(head))
+    return head + bytes(-len(head) % 64) + data[parse_prefix(data).prefix_nbytes :]
+
+
+def _leaf_is(node: Any) -> Any:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tree"][2][1] = node  # the value of "x"
+
+    return edit
+
+
+def _array_entry(index: int, value: Any) -> Any:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"][0][index] = value
+
+    return edit
+
+
+_HOSTILE_NODES = {
+    "numpy bits too wide": _leaf_is(["numpy", "float32", 2**32]),
+    "numpy negative bits": _leaf_is(["numpy", "int8", -1]),
+    "numpy bool of 2": _leaf_is(["numpy", "bool", 2]),
+    "numpy object dtype": _leaf_is(["numpy", "object", 0]),
+    "numpy float bits": _leaf_is(["numpy", "float64", 1.5]),
+    "numpy missing bits": _leaf_is(["numpy", "float64"]),
+    "device index -1": _leaf_is(["device", "cuda", -1]),
+    "device unknown type": _leaf_is(["device", "bogus", None]),
+    "device with a colon": _leaf_is(["device", "cuda:0", None]),
+    "device huge index": _leaf_is(["device", "cuda", 2**40]),
+    "dtype unknown": _leaf_is(["dtype", "float"]),
+    "dtype not a str": _leaf_is(["dtype", ["float32"]]),
+    "bytes not base64": _leaf_is(["bytes", "!!!!"]),
+    "bytes bad padding": _leaf_is(["bytes", "YQ"]),
+    "bytes non-ASCII": _leaf_is(["bytes", "\u00e9"]),
+    "complex of ints": _leaf_is(["complex", 1, 2]),
+    "complex missing part": _leaf_is(["complex", 1.0]),
+    "size of floats": _leaf_is(["size", [1.5]]),
+    "size past 2**63": _leaf_is(["size", [2**63]]),
+    "size too long": _leaf_is(["size", [1] * 65]),
+    "unhashable tag": _leaf_is([[1], 2]),
+    "ndarray of float8": _array_entry(1, "float8_e4m3fn"),
+    "ndarray requiring grad": _array_entry(6, True),
+    "ndarray with a DTensor note": lambda doc: doc["tensors"][0].append(
+        {"placements": "", "global_shape": [3]}
+    ),
+    "ndarray in a format-1 header": lambda doc: doc.update(format=1),
+    "format-2 leaf in a format-1 header": lambda doc: (
+        doc.update(format=1),
+        doc["tensors"][0].__setitem__(5, "tensor"),
+        _leaf_is(["size", [1]])(doc),
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(_HOSTILE_NODES.values()), ids=list(_HOSTILE_NODES))
+def test_malformed_format_2_nodes_are_integrity_errors(edit: Any, tmp_path: Path) -> None:
+    data = _forged(edit)
+    with pytest.raises(astage.IntegrityError, match="header"):
+        parse_prefix(data)
+    path = tmp_path / "forged.astage"
+    path.write_bytes(data)
+    with pytest.raises(astage.IntegrityError):
+        astage.load_replica_sync(path)
+
+
+def test_the_forgery_helper_makes_valid_replicas() -> None:
+    back = round_trip({"a": np.arange(3), "x": 1.5})
+    assert back["x"] == 1.5
+    header = parse_prefix(_forged(_leaf_is(["numpy", "float32", 0x3F800000])))
+    assert header.num_tensors == 1
+
+
+# Version-1 replicas written by astage before format 2 (main at 2fa0a77), dense ones: a list
+# of 100,000 zeros and an optimizer's param_groups of 3,000 indices.  Unpadded, they count
+# far above the format-2 bound, and must still load.
+_DENSE_VERSION_1 = {
+    "zeros": lambda: {"z": [0] * 100_000},
+    "param_groups": lambda: {"param_groups": [{"params": list(range(3000)), "lr": 0.1}]},
+}
+
+
+@pytest.mark.parametrize("make", list(_DENSE_VERSION_1.values()), ids=list(_DENSE_VERSION_1))
+def test_dense_version_1_headers_still_parse(make: Any) -> None:
+    state = make()
+    data = _as_version_1(state)
+    header_len = struct.unpack_from("<Q", data, 12)[0]
+    assert header_len < len(json.dumps(state)) + 400, "unpadded, as version 1 wrote them"
+    assert parse_prefix(data).version == 1
+    as_version_2 = data[:8] + struct.pack("<I", 2) + data[12 : FIXED_PREFIX_NBYTES + header_len]
+    as_version_2 += struct.pack("<I", crc32c.crc32c(as_version_2))
+    with pytest.raises(astage.IntegrityError, match="too dense"):  # what padding is for
+        parse_prefix(as_version_2 + bytes(-len(as_version_2) % 64))
