@@ -19,7 +19,15 @@ Invariants:
   :meth:`Checkpointer.latest` report committed steps only.
 * Retention runs only right after a commit and never removes the step just committed.  It
   removes a marker first and fsyncs the directory before removing the files, so a
-  half-deleted step is never committed.
+  half-deleted step is never committed.  A step it cannot delete stays committed; it never
+  fails the save whose commit triggered it (a commit stands once its marker is durable).
+* Nothing below the directory is followed: step directories are opened ``O_NOFOLLOW``
+  from the directory's descriptor and their files relative to theirs, so a link planted
+  under a step's name is foreign (refused, never written, read or deleted through).
+  Markers, like every file read back, are untrusted: checksummed, naming only this rank's
+  data file, and read only if they are regular files.
+* Several ranks may share the directory: a step directory is removed only while empty,
+  and a save whose step directory vanishes before its first file is in it creates it again.
 * Start-up removes what crashed runs of this rank left: astage temp files and step files
   without a marker, nothing else; an exclusive lock keeps a live writer's files safe.
 * At most ``max_in_flight`` saves are past staging and not yet finished; a further
@@ -44,7 +52,6 @@ import logging
 import math
 import os
 import re
-import stat
 import struct
 import time
 import traceback
@@ -70,12 +77,12 @@ from ._format import ReplicaHeader, ReplicaLayout, lay_out
 from ._persist import (
     blocking_io,
     find_replicas,
-    fsync_dirs,
     inspect_replica,
     is_temp_name,
     load_replica,
     load_replica_sync,
-    make_dirs,
+    open_directory,
+    open_regular,
     write_replica,
 )
 from ._stager import AsyncStager, DefaultStager, StageStats
@@ -86,8 +93,8 @@ log = logging.getLogger("astage.checkpointer")
 MARKER_FORMAT: Final = "astage-checkpoint"
 """The ``format`` field of every commit marker."""
 
-MARKER_VERSION: Final = 1
-"""The only commit-marker version this module reads and writes."""
+MARKER_VERSION: Final = 2
+"""The only commit-marker version this module reads and writes (2 added the ``crc32c`` field)."""
 
 _STEP_DIR_RE: Final = re.compile(r"\Astep_([0-9]{10,19})\Z")
 _MARKER_CAP: Final = 1 << 20
@@ -199,7 +206,7 @@ class _Marker:
     files: tuple[_FileEntry, ...]
 
     def to_json(self) -> bytes:
-        doc = {
+        body = {
             "format": MARKER_FORMAT,
             "version": MARKER_VERSION,
             "step": self.step,
@@ -208,7 +215,14 @@ class _Marker:
             "created": self.created,
             "files": [dataclasses.asdict(f) for f in self.files],
         }
+        doc = {**body, "crc32c": _marker_crc32c(body)}
         return json.dumps(doc, indent=1, allow_nan=False).encode("ascii")
+
+
+def _marker_crc32c(body: dict[str, Any]) -> int:
+    """The checksum a marker carries: crc32c of its other fields as canonical JSON."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return int(crc32c.crc32c(canonical.encode("ascii")))
 
 
 def _storages_crc32c(header: ReplicaHeader) -> int:
@@ -226,10 +240,20 @@ def _expect_int(doc: dict[str, Any], key: str, lo: int, hi: int) -> int:
     return value
 
 
-def _parse_marker(data: bytes, *, step: int, rank: int) -> _Marker:
-    """Validate a commit marker's JSON strictly.
+_MARKER_KEYS: Final = frozenset(
+    {"format", "version", "step", "rank", "checkpoint_id", "created", "files", "crc32c"}
+)
+_CHECKPOINT_ID_RE: Final = re.compile(r"\A[0-9a-f]{32}\Z")
 
-    :raises IntegrityError: malformed, of another format, step or rank.
+
+def _parse_marker(data: bytes, *, step: int, rank: int) -> _Marker:
+    """Validate a commit marker strictly: it is untrusted input, like any file read back.
+
+    Its checksum must match, and it may name only what astage writes there: this rank's
+    data file of this step, once.
+
+    :raises IntegrityError: malformed, tampered, of another format, step or rank, or
+        naming any other file.
     """
     try:
         doc = json.loads(data.decode("utf-8"))
@@ -237,48 +261,57 @@ def _parse_marker(data: bytes, *, step: int, rank: int) -> _Marker:
         raise IntegrityError(f"commit marker is not valid JSON: {exc}") from exc
     if type(doc) is not dict or doc.get("format") != MARKER_FORMAT or doc.get("version") != MARKER_VERSION:
         raise IntegrityError(f"not a version-{MARKER_VERSION} {MARKER_FORMAT} marker")
-    if _expect_int(doc, "step", 0, _INT64) != step or _expect_int(doc, "rank", 0, _RANK_LIMIT) != rank:
-        raise IntegrityError(f"commit marker is for step {doc['step']} rank {doc['rank']}")
-    checkpoint_id, created, files = doc.get("checkpoint_id"), doc.get("created"), doc.get("files")
-    if type(checkpoint_id) is not str or type(created) is not float or not math.isfinite(created):
-        raise IntegrityError("commit marker: bad checkpoint_id or created")
-    if type(files) is not list or not files:
-        raise IntegrityError("commit marker: files must be a non-empty list")
-    entries = []
-    for raw in files:
-        if type(raw) is not dict or set(raw) != {"name", "nbytes", "storages_crc32c"}:
-            raise IntegrityError(f"commit marker: bad file entry {raw!r:.80}")
-        name = raw["name"]
-        if type(name) is not str or not name or name != os.path.basename(name) or name.startswith("."):
-            raise IntegrityError(f"commit marker: bad file name {name!r:.80}")
-        entries.append(
-            _FileEntry(
-                name, _expect_int(raw, "nbytes", 0, _INT64), _expect_int(raw, "storages_crc32c", 0, 1 << 32)
-            )
+    if set(doc) != _MARKER_KEYS:
+        raise IntegrityError(
+            f"commit marker: expected the fields {sorted(_MARKER_KEYS)}, got {sorted(doc)!r:.200}"
         )
-    return _Marker(step, rank, checkpoint_id, created, tuple(entries))
+    body = {key: value for key, value in doc.items() if key != "crc32c"}
+    try:
+        expected = _marker_crc32c(body)
+    except (ValueError, RecursionError) as exc:  # a non-finite float, absurd nesting
+        raise IntegrityError(f"commit marker: {exc}") from exc
+    if type(doc["crc32c"]) is not int or doc["crc32c"] != expected:
+        raise IntegrityError(
+            f"commit marker checksum mismatch: it says {doc['crc32c']!r:.40}, the content gives {expected}"
+        )
+    if _expect_int(doc, "step", 0, _INT64) != step or _expect_int(doc, "rank", 0, _RANK_LIMIT) != rank:
+        raise IntegrityError(
+            f"commit marker is for step {doc['step']} rank {doc['rank']}, not step {step} rank {rank}"
+        )
+    checkpoint_id, created, files = doc["checkpoint_id"], doc["created"], doc["files"]
+    if type(checkpoint_id) is not str or _CHECKPOINT_ID_RE.match(checkpoint_id) is None:
+        raise IntegrityError(f"commit marker: bad checkpoint_id {checkpoint_id!r:.80}")
+    if type(created) is not float or not math.isfinite(created):
+        raise IntegrityError(f"commit marker: bad created {created!r:.40}")
+    data_name = _names(rank)[0]
+    if type(files) is not list or len(files) != 1:
+        raise IntegrityError(f"commit marker: files must list exactly {data_name!r}, got {files!r:.120}")
+    raw = files[0]
+    if type(raw) is not dict or set(raw) != {"name", "nbytes", "storages_crc32c"}:
+        raise IntegrityError(f"commit marker: bad file entry {raw!r:.120}")
+    if raw["name"] != data_name:
+        raise IntegrityError(f"commit marker: names the file {raw['name']!r:.80}, not {data_name!r}")
+    entry = _FileEntry(
+        data_name, _expect_int(raw, "nbytes", 0, _INT64), _expect_int(raw, "storages_crc32c", 0, 1 << 32)
+    )
+    return _Marker(step, rank, checkpoint_id, created, (entry,))
 
 
-def read_marker(path: Path, *, step: int, rank: int) -> _Marker:
+def read_marker(path: str | os.PathLike[str], *, step: int, rank: int, dir_fd: int | None = None) -> _Marker:
     """Read and validate the commit marker at ``path`` (blocking).
 
-    Only a regular file is read (never a FIFO, device or symlink), and at most
-    ``_MARKER_CAP`` bytes of it.
+    Only a regular file is read (never a FIFO, device or symlink: :func:`open_regular`),
+    and at most ``_MARKER_CAP`` bytes of it.
 
+    :param dir_fd: open ``path`` relative to this directory descriptor.
     :raises FileNotFoundError: there is no marker: the step is not committed for ``rank``.
     :raises IntegrityError: it is not a regular file, is too long or is invalid.
     :raises OSError: it cannot be read.
     """
+    fd = open_regular(path, dir_fd=dir_fd)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise IntegrityError(f"commit marker {path} is a symlink") from exc
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IntegrityError(f"commit marker {path} is not a regular file")
-        data = os.read(fd, _MARKER_CAP + 1)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(_MARKER_CAP + 1)
     finally:
         os.close(fd)
     if len(data) > _MARKER_CAP:
@@ -302,105 +335,189 @@ def _step_of(name: str) -> int | None:
     return step if step < _INT64 and name == f"step_{step:010d}" else None
 
 
-def _remove(path: Path) -> bool:
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Remove the entry ``name`` of a directory (a link is removed, never followed)."""
     try:
-        path.unlink()
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     return True
 
 
-def _remove_dir_if_empty(path: Path) -> bool:
+def _remove_dir_if_empty(name: str, dir_fd: int) -> bool:
+    """Remove the step directory ``name`` if it is empty; another rank may be using it.
+
+    Only an empty directory goes: a rank whose file is there keeps it.  A rank about to
+    create its file there may see it vanish, and creates it again (see
+    :func:`astage._persist._create_temp`).
+    """
     try:
-        path.rmdir()
+        os.rmdir(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
             return False
         raise
     return True
 
 
-def _open_directory(directory: Path, rank: int) -> int:
-    """Create ``directory`` if needed and take this rank's lock; the lock's descriptor."""
+def _open_step_dir(dir_fd: int, name: str, *, create: bool) -> int:
+    """Open the step directory ``name`` of the checkpoint directory ``dir_fd``; its descriptor.
+
+    With ``create``, it is made first if missing (mode 0700); the caller fsyncs the
+    checkpoint directory before committing anything in it.  A link or anything else not
+    a directory under a step's name is foreign: it is never followed, so nothing astage
+    writes or deletes can land outside the directory.
+
+    :raises PersistError: ``name`` is a symbolic link or not a directory.
+    :raises FileNotFoundError: it does not exist (without ``create``: or it vanished).
+    """
+    if create:
+        # No fsync here: another rank may remove the directory while it is empty, and the
+        # shorter the way from mkdir to the first file in it, the less often that happens.
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise PersistError(
+            f"{name} in the checkpoint directory is a symbolic link or not a directory: "
+            "not astage's, so it is neither followed nor deleted"
+        ) from exc
+
+
+def _open_directory(directory: Path, rank: int) -> tuple[int, int]:
+    """Create ``directory`` if needed, open it and take this rank's lock.
+
+    :returns: the directory's descriptor and the lock's.
+    """
     if directory.exists() and not directory.is_dir():
         raise ConfigurationError(f"checkpoint directory {directory} exists and is not a directory")
+    lock_name = f".astage-rank{rank:05d}.lock"
     try:
-        created = make_dirs(directory)
-        if created:
-            fsync_dirs(sorted({d.parent for d in created}))
-        fd = os.open(
-            directory / f".astage-rank{rank:05d}.lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        dir_fd = open_directory(directory)
     except (FileExistsError, NotADirectoryError) as exc:
         raise ConfigurationError(f"checkpoint directory {directory} cannot be created: {exc}") from exc
     except OSError as exc:
         raise PersistError(f"cannot open the checkpoint directory {directory}: {exc}") from exc
     try:
+        # Never through a link, never waiting on a FIFO: the lock file must be a plain file.
+        fd = open_regular(lock_name, dir_fd=dir_fd, flags=os.O_CREAT)
+    except IntegrityError as exc:
+        os.close(dir_fd)
+        raise PersistError(f"cannot use the lock file of rank {rank} in {directory}: {exc}") from exc
+    except OSError as exc:
+        os.close(dir_fd)
+        raise PersistError(f"cannot open the checkpoint directory {directory}: {exc}") from exc
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
+        os.close(dir_fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise ResourceError(
                 f"{directory} is in use by another Checkpointer for rank {rank} (this process or another)"
             ) from exc
         raise PersistError(f"cannot lock the checkpoint directory {directory}: {exc}") from exc
-    return fd
+    return dir_fd, fd
 
 
-def _scan(directory: Path, rank: int) -> dict[int, _Marker]:
+def _scan(directory: Path, dir_fd: int, rank: int) -> dict[int, _Marker]:
     """Find this rank's committed steps and remove what crashed runs left of this rank."""
     data_name, marker_name = _names(rank)
     ours = (f".{data_name}.", f".{marker_name}.")
     committed: dict[int, _Marker] = {}
-    with os.scandir(directory) as listing:
-        entries = [e for e in listing if e.is_dir(follow_symlinks=False)]
-    for entry in entries:
-        step = _step_of(entry.name)
+    with os.scandir(dir_fd) as listing:
+        names = [e.name for e in listing if e.is_dir(follow_symlinks=False)]
+    for name in names:
+        step = _step_of(name)
         if step is None:
             continue
-        step_dir = Path(entry.path)
-        for name in os.listdir(step_dir):
-            if is_temp_name(name) and name.startswith(ours) and _remove(step_dir / name):
-                log.info("removed a stale temp file %s", step_dir / name)
-        marker_path = step_dir / marker_name
         try:
-            committed[step] = read_marker(marker_path, step=step, rank=rank)
-        except FileNotFoundError:
-            if _remove(step_dir / data_name):
-                log.info("removed the uncommitted checkpoint file %s", step_dir / data_name)
-            _remove_dir_if_empty(step_dir)
+            step_fd = _open_step_dir(dir_fd, name, create=False)
+        except FileNotFoundError:  # another rank's retention removed it meanwhile
             continue
-        except IntegrityError as exc:
-            log.warning("ignoring step %d: its commit marker %s is invalid: %s", step, marker_path, exc)
+        except PersistError as exc:
+            log.warning("ignoring %s: %s", directory / name, exc)
+            continue
+        try:
+            marker = _scan_step(directory / name, step_fd, step, rank, data_name, marker_name, ours)
+        finally:
+            os.close(step_fd)
+        if marker is not None:
+            committed[step] = marker
+        elif _remove_dir_if_empty(name, dir_fd):
+            os.fsync(dir_fd)
     return committed
 
 
-def _delete_step(step_dir: Path, marker: _Marker, marker_name: str) -> bool:
+def _scan_step(
+    step_dir: Path,
+    step_fd: int,
+    step: int,
+    rank: int,
+    data_name: str,
+    marker_name: str,
+    ours: tuple[str, str],
+) -> _Marker | None:
+    """This rank's commit in one step directory, after removing its crashed runs' leftovers."""
+    for name in os.listdir(step_fd):
+        if is_temp_name(name) and name.startswith(ours) and _unlink(name, step_fd):
+            log.info("removed a stale temp file %s", step_dir / name)
+    try:
+        return read_marker(marker_name, step=step, rank=rank, dir_fd=step_fd)
+    except FileNotFoundError:
+        if _unlink(data_name, step_fd):
+            log.info("removed the uncommitted checkpoint file %s", step_dir / data_name)
+        return None
+    except IntegrityError as exc:
+        log.warning("ignoring step %d: invalid commit marker %s: %s", step, step_dir / marker_name, exc)
+        return None
+
+
+def _delete_step(dir_fd: int, name: str, marker: _Marker, marker_name: str) -> None:
     """Retire a committed step: its marker first (made durable), then its files.
 
-    :returns: ``False`` if the marker could not be removed: the step is still committed.
+    :raises OSError: the marker could not be removed: the step is still committed.  Files
+        left once the marker is gone are only logged (swept at the next start).
     """
     try:
-        _remove(step_dir / marker_name)
-    except OSError as exc:
-        log.warning("cannot delete the commit marker of %s: %s", step_dir, exc)
-        return False
+        step_fd = _open_step_dir(dir_fd, name, create=False)
+    except FileNotFoundError:
+        return
     try:
-        fsync_dirs([step_dir])
-        for entry in marker.files:
-            _remove(step_dir / entry.name)
-        if _remove_dir_if_empty(step_dir):
-            fsync_dirs([step_dir.parent])
+        _unlink(marker_name, step_fd)
+        try:
+            os.fsync(step_fd)
+            for entry in marker.files:
+                _unlink(entry.name, step_fd)
+        except OSError as exc:
+            log.warning(
+                "cannot delete the files of step directory %s (swept at the next start): %s", name, exc
+            )
+            return
+    finally:
+        os.close(step_fd)
+    try:
+        if _remove_dir_if_empty(name, dir_fd):
+            os.fsync(dir_fd)
     except OSError as exc:
-        log.warning("cannot delete the files of %s (swept at the next start): %s", step_dir, exc)
-    return True
+        log.warning("cannot remove the step directory %s: %s", name, exc)
 
 
-def _discard_uncommitted(step_dir: Path, data_name: str) -> None:
-    _remove(step_dir / data_name)
-    _remove_dir_if_empty(step_dir)
+def _discard_uncommitted(dir_fd: int, name: str, data_name: str) -> None:
+    try:
+        step_fd = _open_step_dir(dir_fd, name, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        _unlink(data_name, step_fd)
+    finally:
+        os.close(step_fd)
+    _remove_dir_if_empty(name, dir_fd)
 
 
 # -- loading --------------------------------------------------------------------------------
@@ -672,6 +789,8 @@ class Checkpointer:
         self._last_done: anyio.Event | None = None
         self._idle: anyio.Event | None = None
         self._lock_fd: int | None = None
+        self._dir_fd: int | None = None  # the checkpoint directory: step directories are opened from it
+        self._undeletable: set[int] = set()  # steps retention failed to delete (warned once)
         self._task_group: anyio.abc.TaskGroup | None = None
         self._slots: anyio.Semaphore | None = None
         self._limiter: anyio.CapacityLimiter | None = None
@@ -691,9 +810,13 @@ class Checkpointer:
         if self._state != "new":
             raise ClosedError("a Checkpointer can be entered only once")
         self._limiter = anyio.CapacityLimiter(self._threads)
-        self._lock_fd = await blocking_io(_open_directory, self._directory, self._rank, limiter=self._limiter)
+        self._dir_fd, self._lock_fd = await blocking_io(
+            _open_directory, self._directory, self._rank, limiter=self._limiter
+        )
         try:
-            self._committed = await blocking_io(_scan, self._directory, self._rank, limiter=self._limiter)
+            self._committed = await blocking_io(
+                _scan, self._directory, self._dir_fd, self._rank, limiter=self._limiter
+            )
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
         except BaseException as exc:
@@ -722,10 +845,14 @@ class Checkpointer:
                 self._task_group = None
                 # The saves are drained: only a cancellation is the task group's business.
                 # Another error from the block must reach the caller as it is, not in a group.
-                if isinstance(exc, anyio.get_cancelled_exc_class()):
-                    await task_group.__aexit__(exc_type, exc, tb)
-                else:
-                    await task_group.__aexit__(None, None, None)
+                try:
+                    if isinstance(exc, anyio.get_cancelled_exc_class()):
+                        await task_group.__aexit__(exc_type, exc, tb)
+                    else:
+                        await task_group.__aexit__(None, None, None)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self._close_dir()
 
     async def aclose(self) -> None:
         """Wait for in-flight saves, then close the stager it created and the lock.
@@ -759,7 +886,16 @@ class Checkpointer:
                     log.error("checkpoint step %d failed and was never reported: %s", job.step, job.error)
 
     async def _release_lock(self) -> None:
+        """Close the lock, and the directory unless an abandoned save's cleanup still runs
+        (relative to it): ``__aexit__`` closes it once the task group is done."""
         fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            await blocking_io(os.close, fd, limiter=self._limiter)
+        if not self._jobs:
+            await self._close_dir()
+
+    async def _close_dir(self) -> None:
+        fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
             await blocking_io(os.close, fd, limiter=self._limiter)
 
@@ -918,7 +1054,10 @@ class Checkpointer:
         try:
             await self._write_and_commit(job)
         except Exception as exc:  # reported to the caller, never into the task group
-            self._fail(job, exc)
+            if job.committed:  # a commit stands once its marker is durable
+                log.warning("step %d is committed, but what followed the commit failed: %s", job.step, exc)
+            else:
+                self._fail(job, exc)
         except BaseException as exc:
             _drop_frames(exc)
             if not job.committed:
@@ -948,7 +1087,14 @@ class Checkpointer:
         try:
             entry = _FileEntry(self._data_name, encoded.total_nbytes, _storages_crc32c(encoded.header))
             job.written = True  # from here on, a file may exist that must not outlive a failure
-            await write_replica(self.step_dir(job.step) / self._data_name, encoded, limiter=self._limiter)
+            await write_replica(
+                self.step_dir(job.step) / self._data_name,
+                encoded,
+                limiter=self._limiter,
+                open_dir=self._step_dir_opener(job.step),
+            )
+            # The step directory's entry is durable before anything in it is committed.
+            await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
         finally:
             del encoded  # it views the staged buffers, which go back to the stager
         job.nbytes = entry.nbytes
@@ -994,7 +1140,14 @@ class Checkpointer:
         marker = _Marker(job.step, self._rank, job.checkpoint_id, time.time(), (job.entry,))
         marker_path = self.step_dir(job.step) / self._marker_name
         with anyio.CancelScope(shield=True):  # small, and once renamed it is committed
-            await write_replica(marker_path, [marker.to_json()], limiter=self._limiter)
+            await write_replica(
+                marker_path,
+                [marker.to_json()],
+                limiter=self._limiter,
+                open_dir=self._step_dir_opener(job.step),
+            )
+            # The step directory's entry is durable before anything in it is committed.
+            await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
             job.committed = True
             self._committed[job.step] = marker
         job.stats = SaveStats(
@@ -1051,7 +1204,11 @@ class Checkpointer:
     async def _discard(self, job: _Job) -> None:
         try:
             await blocking_io(
-                _discard_uncommitted, self.step_dir(job.step), self._data_name, limiter=self._limiter
+                _discard_uncommitted,
+                self._dir_fd,
+                self.step_dir(job.step).name,
+                self._data_name,
+                limiter=self._limiter,
             )
         except OSError as exc:
             log.warning(
@@ -1070,18 +1227,43 @@ class Checkpointer:
         self._emit("failed", job)
 
     async def _retire_old(self, just_committed: int) -> None:
+        """Delete the committed steps beyond ``keep``.
+
+        A step that cannot be deleted stays committed (``latest``/``restore`` see it) and
+        is tried again after the next commit; its failure is logged once as a warning and
+        never fails a save: the save that triggered retention is committed already.
+        """
         if self._keep is None:
             return
         kept = set(sorted(self._committed, reverse=True)[: self._keep]) | {just_committed}
         for step in sorted(set(self._committed) - kept):
-            marker = self._committed.pop(step)
-            deleted = await blocking_io(
-                _delete_step, self.step_dir(step), marker, self._marker_name, limiter=self._limiter
-            )
-            if deleted:
-                log.info("deleted the checkpoint of step %d (keep=%d)", step, self._keep)
-            else:
-                self._committed[step] = marker
+            try:
+                await blocking_io(
+                    _delete_step,
+                    self._dir_fd,
+                    self.step_dir(step).name,
+                    self._committed[step],
+                    self._marker_name,
+                    limiter=self._limiter,
+                )
+            except Exception as exc:
+                if step not in self._undeletable:
+                    self._undeletable.add(step)
+                    log.warning(
+                        "retention (keep=%d) cannot delete step %d, which stays committed: %s",
+                        self._keep,
+                        step,
+                        exc,
+                    )
+                continue
+            del self._committed[step]
+            self._undeletable.discard(step)
+            log.info("deleted the checkpoint of step %d (keep=%d)", step, self._keep)
+
+    def _step_dir_opener(self, step: int) -> Callable[[], int]:
+        """Opens (creating it if need be) ``step``'s directory, never through a link."""
+        assert self._dir_fd is not None
+        return functools.partial(_open_step_dir, self._dir_fd, self.step_dir(step).name, create=True)
 
     def _emit(self, kind: EventKind, job: _Job) -> None:
         if self._on_progress is None:
@@ -1151,7 +1333,7 @@ class Checkpointer:
                 path, step=step, rank=self._rank, checkpoint_id=marker.checkpoint_id, entry=marker.files[0]
             )
             try:
-                return await load_replica(path, limiter=self._limiter, check=check)
+                return await self._load_local(step, path, check)
             except (IntegrityError, OSError) as exc:
                 log.warning("the local checkpoint of step %d is unusable, trying replicas: %s", step, exc)
                 problems.append(str(exc))
@@ -1182,6 +1364,21 @@ class Checkpointer:
         raise IntegrityError(
             f"cannot restore step {step} of rank {self._rank}: {where} unusable: " + "; ".join(problems)
         )
+
+    async def _load_local(self, step: int, path: Path, check: Callable[[ReplicaHeader], None]) -> Any:
+        """Load ``path``, this rank's file of ``step``, never through a link.
+
+        :raises PersistError: the step directory is a link or not a directory.
+        :raises IntegrityError: the file is not a regular file, is corrupt, or fails ``check``.
+        """
+        assert self._dir_fd is not None
+        opener = functools.partial(_open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
+        step_fd = await blocking_io(opener, limiter=self._limiter)
+        try:
+            return await load_replica(path, limiter=self._limiter, check=check, dir_fd=step_fd)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await blocking_io(os.close, step_fd, limiter=self._limiter)
 
     async def _replica_candidates(self, step: int, problems: list[str]) -> list[Path]:
         paths: list[Path] = []

@@ -20,16 +20,23 @@ Invariants:
 * Only files named like astage's own temps are ever swept.
 * Loading validates everything (:mod:`astage._format`) and checks that the file is exactly
   as long as its header says before allocating the body.
+* Nothing below the directory a caller names is followed: the temp file is created and
+  renamed relative to a descriptor of its directory, never through a symbolic link, and
+  every file is read only once opened without following a link and found to be a regular
+  file (:func:`open_regular`).  A FIFO or device cannot block a worker thread, and a link
+  planted in the directory cannot lead a write, a read or a deletion outside it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import functools
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -137,8 +144,63 @@ def make_dirs(directory: Path) -> list[Path]:
     return created
 
 
-def _open_exclusive(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+DirOpener = Callable[[], int]
+"""A blocking call that returns a new descriptor of a writer's directory (closed by the writer)."""
+
+_OPEN_RETRIES: Final = 1000
+"""Attempts at creating a temp file whose directory vanishes meanwhile (see :func:`_create_temp`)."""
+
+
+def make_dirs_durable(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, mode 0700, and fsync where they were made."""
+    created = make_dirs(directory)
+    if created:
+        fsync_dirs(sorted({d.parent for d in created}))
+
+
+def open_directory(directory: Path) -> int:
+    """Create ``directory`` if missing (mode 0700, made durable) and open it.
+
+    The path itself is the caller's and is followed like any path a user names.
+    """
+    make_dirs_durable(directory)
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _create_temp(open_dir: DirOpener, name: str) -> tuple[int, int]:
+    """Open the directory and create the temp file ``name`` in it: ``(dir fd, file fd)``.
+
+    Several ranks may share a directory, and one may remove a directory that is empty for
+    an instant (its retention, its start-up) between another's opening it and creating
+    its temp file there, which then fails with ``ENOENT``.  Opening the directory again
+    (the opener creates it again) is safe: nothing was written yet.  Each attempt lasts
+    a few system calls, so losing a thousand in a row takes a deliberate adversary.
+    """
+    for attempt in range(_OPEN_RETRIES):
+        try:
+            dir_fd = open_dir()
+        except FileNotFoundError:
+            if attempt + 1 == _OPEN_RETRIES:
+                raise
+            continue
+        try:
+            fd = os.open(
+                name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=dir_fd,
+            )
+        except FileNotFoundError:
+            os.close(dir_fd)
+            if attempt + 1 == _OPEN_RETRIES:
+                raise
+            log.debug("the directory of %s vanished before the temp file was created: again", name)
+            continue
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return dir_fd, fd
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 _SYNC_FILE_RANGE_WRITE: Final = 2
@@ -185,19 +247,26 @@ def fsync_dirs(directories: list[Path]) -> None:
             os.close(fd)
 
 
-def _discard_file(fd: int | None, path: Path | None) -> None:
+def _discard_file(fd: int | None, path: Path, dir_fd: int | None, *, created: bool) -> None:
+    """Close the temp file, remove it (relative to its directory) if created, close that."""
     if fd is not None:
         try:
             os.close(fd)
         except OSError as exc:
             log.warning("closing the temp file %s failed: %s", path, exc)
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("removing the temp file %s failed: %s", path, exc)
+    if dir_fd is None:
+        return
+    try:
+        if created:
+            os.unlink(path.name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("removing the temp file %s failed: %s", path, exc)
+    try:
+        os.close(dir_fd)
+    except OSError as exc:  # the descriptor is released whatever close() says
+        log.warning("closing the directory of %s failed: %s", path, exc)
 
 
 def _batches(data: BytesLike | Iterable[BytesLike], chunk_nbytes: int) -> Iterator[list[memoryview]]:
@@ -236,6 +305,10 @@ class ReplicaWriter:
     :param path: the final path; missing directories are created with mode 0700.
     :param limiter: worker-thread limiter for the blocking calls (default: anyio's).
     :param chunk_nbytes: most bytes written per worker-thread call.
+    :param open_dir: a blocking call that opens (creating it if need be) the directory
+        ``path`` lies in, for callers that must not follow links on the way there; it may
+        be called again if the directory vanishes before the temp file is created.
+        Default: :func:`open_directory` of ``path``'s parent.
     """
 
     def __init__(
@@ -244,6 +317,7 @@ class ReplicaWriter:
         *,
         limiter: anyio.CapacityLimiter | None = None,
         chunk_nbytes: int = CHUNK_NBYTES,
+        open_dir: DirOpener | None = None,
     ) -> None:
         if chunk_nbytes <= 0:
             raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
@@ -252,9 +326,10 @@ class ReplicaWriter:
         self.nbytes_written = 0
         self._limiter = limiter
         self._chunk = chunk_nbytes
+        self._open_dir = open_dir or functools.partial(open_directory, self.path.parent)
         self._fd: int | None = None
+        self._dir_fd: int | None = None
         self._created = False
-        self._new_dirs: list[Path] = []
         self._state: Literal["new", "open", "done"] = "new"
         self._started = 0.0
 
@@ -275,7 +350,7 @@ class ReplicaWriter:
             return await blocking_io(fn, *args, limiter=self._limiter)
         except BaseException as exc:
             await self.aclose()
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, PersistError):
                 raise PersistError(f"{step} failed for {self.path}: {exc}") from exc
             raise
 
@@ -289,8 +364,7 @@ class ReplicaWriter:
             raise ClosedError(f"ReplicaWriter for {self.path} was already opened")
         self._state = "open"
         self._started = time.perf_counter()
-        self._new_dirs = await self._run("open", make_dirs, self.path.parent)
-        self._fd = await self._run("open", _open_exclusive, self.temp_path)
+        self._dir_fd, self._fd = await self._run("open", _create_temp, self._open_dir, self.temp_path.name)
         self._created = True
 
     def _check_open(self) -> int:
@@ -327,17 +401,24 @@ class ReplicaWriter:
         :raises ClosedError: the writer is not open.
         """
         fd = self._check_open()
+        dir_fd = self._dir_fd
+        assert dir_fd is not None
         await self._run("fsync", os.fsync, fd)
         self._fd = None
         # Shielded: once the descriptor is forgotten, a cancellation here would leak it.
         with anyio.CancelScope(shield=True):
             await self._run("close", os.close, fd)
         with anyio.CancelScope(shield=True):
-            await self._run("replace", os.replace, self.temp_path, self.path)
+            # Both names relative to the directory's descriptor: a link planted in place of
+            # the final name is replaced, never followed.
+            rename = functools.partial(
+                os.replace, self.temp_path.name, self.path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd
+            )
+            await self._run("replace", rename)
             self._created = False
             self._state = "done"
-            dirs = [self.path.parent, *{d.parent for d in self._new_dirs}]
-            await self._run("dir-fsync", fsync_dirs, dirs)
+            await self._run("dir-fsync", os.fsync, dir_fd)
+            await self.aclose()
         seconds = time.perf_counter() - self._started
         log.debug(
             "wrote %s: %d bytes in %.4fs (%.2f GB/s)",
@@ -350,16 +431,17 @@ class ReplicaWriter:
 
     async def aclose(self) -> None:
         """Discard the temp file unless committed; idempotent, always completes."""
-        if self._state == "done":
-            return
         self._state = "done"
         fd, self._fd = self._fd, None
-        path = self.temp_path if self._created else None
-        self._created = False
-        if fd is None and path is None:
+        dir_fd, self._dir_fd = self._dir_fd, None
+        created, self._created = self._created, False
+        if fd is None and dir_fd is None:
             return
         with anyio.CancelScope(shield=True):
-            await blocking_io(_discard_file, fd, path, limiter=self._limiter)
+            await blocking_io(
+                functools.partial(_discard_file, fd, self.temp_path, dir_fd, created=created),
+                limiter=self._limiter,
+            )
 
 
 async def write_replica(
@@ -368,16 +450,18 @@ async def write_replica(
     *,
     limiter: anyio.CapacityLimiter | None = None,
     chunk_nbytes: int = CHUNK_NBYTES,
+    open_dir: DirOpener | None = None,
 ) -> Path:
     """Write a replica durably at ``path``, atomically replacing any previous one.
 
     :param replica: an :class:`Encoded` replica, or its bytes as buffers in order.
+    :param open_dir: opens ``path``'s directory (see :class:`ReplicaWriter`).
     :returns: the final path.
     :raises PersistError: a step failed (named in the message); the previous replica is
         intact (unless only the final directory fsync failed) and no temp file is left.
     """
     buffers = replica.buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
-    async with ReplicaWriter(path, limiter=limiter, chunk_nbytes=chunk_nbytes) as writer:
+    async with ReplicaWriter(path, limiter=limiter, chunk_nbytes=chunk_nbytes, open_dir=open_dir) as writer:
         await writer.write(buffers)
         return await writer.commit()
 
@@ -437,12 +521,66 @@ class ReplicaInfo:
     header: ReplicaHeader = dataclasses.field(repr=False)
 
 
+_FILE_KINDS: Final = (
+    (stat.S_ISLNK, "a symbolic link (astage never follows one)"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None, flags: int = 0) -> int:
+    """Open an existing regular file for reading, refusing anything else; its descriptor.
+
+    The open never follows a link at the last component (``O_NOFOLLOW``) and never blocks
+    (``O_NONBLOCK``: a FIFO would wait for a writer for ever, in a worker thread that a
+    cancellation cannot stop); the descriptor is then checked with ``fstat`` and put back
+    in blocking mode.  ``flags`` adds ``O_CREAT`` for a lock file, say.
+
+    :raises IntegrityError: ``path`` is a symbolic link, a directory, a FIFO, a socket or a
+        device: not a file astage wrote.
+    :raises OSError: the file cannot be opened (missing, permissions).
+    """
+    try:
+        fd = os.open(
+            path,
+            os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | flags,
+            0o600,
+            dir_fd=dir_fd,
+        )
+    except OSError as exc:
+        # ELOOP: a link at the last component; ENXIO: a socket (or a FIFO opened for writing).
+        if exc.errno not in (errno.ELOOP, errno.ENXIO):
+            raise
+        try:
+            what = _kind(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            what = "not a regular file"
+        raise IntegrityError(f"{path} is {what}, not a file astage wrote") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise IntegrityError(f"{path} is {_kind(mode)}, not a file astage wrote")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class _ReplicaFile:
     """Blocking steps over one open replica file; run inline or in worker threads."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dir_fd: int | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.prefix = b""  # the raw prefix, once :meth:`header` has read it
+        self.fd = open_regular(path if dir_fd is None else path.name, dir_fd=dir_fd)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -460,7 +598,8 @@ class _ReplicaFile:
             total = prefix_nbytes(self._pread(FIXED_PREFIX_NBYTES, 0))
             if total > st.st_size:
                 raise IntegrityError(f"truncated: the prefix is {total} bytes, the file {st.st_size}")
-            header = parse_prefix(self._pread(total, 0))
+            self.prefix = self._pread(total, 0)
+            header = parse_prefix(self.prefix)
         except IntegrityError as exc:
             raise IntegrityError(f"{self.path}: {exc}") from exc
         if st.st_size != header.total_nbytes:
@@ -497,6 +636,7 @@ async def load_replica(
     *,
     limiter: anyio.CapacityLimiter | None = None,
     check: Callable[[ReplicaHeader], None] | None = None,
+    dir_fd: int | None = None,
 ) -> Any:
     """Read, validate and rebuild the state_dict stored at ``path`` (tensors on the CPU).
 
@@ -505,11 +645,13 @@ async def load_replica(
 
     :param check: called with the header of the very file being read, before its body is
         read; it raises to refuse the file (so a file replaced meanwhile is never mistaken).
+    :param dir_fd: open ``path``'s name relative to this directory descriptor (``path``
+        itself then only names the file in messages).
     :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt or
-        tampered anywhere.
+        tampered anywhere; or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(_ReplicaFile, Path(path), limiter=limiter)
+    f = await blocking_io(_ReplicaFile, Path(path), dir_fd, limiter=limiter)
     try:
         header, _ = await blocking_io(f.header, limiter=limiter)
         if check is not None:
@@ -528,7 +670,8 @@ def load_replica_sync(path: str | os.PathLike[str], *, on_read: Callable[[int], 
 
     :param on_read: called with the byte count of each chunk of the body once read (a
         progress bar's ``advance``); the body's length is ``inspect_replica(path).header.body_nbytes``.
-    :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt.
+    :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt; or
+        it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
     f = _ReplicaFile(Path(path))
@@ -547,7 +690,8 @@ def load_replica_sync(path: str | os.PathLike[str], *, on_read: Callable[[int], 
 def inspect_replica(path: str | os.PathLike[str]) -> ReplicaInfo:
     """Read and validate a replica's prefix (header), without reading its body.
 
-    :raises IntegrityError: the prefix is invalid, or the file's size does not match it.
+    :raises IntegrityError: the prefix is invalid, or the file's size does not match it;
+        or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
     f = _ReplicaFile(Path(path))

@@ -65,9 +65,12 @@ from ._format import (
 )
 from ._options import StagingOptions, coerce_options
 from ._persist import (
+    DirOpener,
     ReplicaWriter,
+    _ReplicaFile,
     blocking_io,
     inspect_replica,
+    make_dirs_durable,
     replica_path,
     sweep_stale_temps,
     temp_path_for,
@@ -285,7 +288,8 @@ class ReplicationStager:
         if self._started:
             return
         self._started = True
-        await blocking_io(functools.partial(self.storage_dir.mkdir, mode=0o700, parents=True, exist_ok=True))
+        # Every missing directory, parents included, is made 0700 like the Checkpointer's.
+        await blocking_io(make_dirs_durable, self.storage_dir)
         swept = await blocking_io(sweep_stale_temps, self.storage_dir)
         if swept:
             log.info("swept %d stale temp file(s) from %s", len(swept), self.storage_dir)
@@ -588,25 +592,29 @@ def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) 
 
 
 def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
-    """A held replica's prefix and body, verified; ``None`` if missing or invalid."""
-    from ._format import FIXED_PREFIX_NBYTES, prefix_nbytes
+    """A held replica's prefix and body, verified; ``None`` if missing or invalid.
 
+    Opened like every replica astage reads (:class:`astage._persist._ReplicaFile`): a link
+    or a FIFO planted under the replica's name is refused, never followed or waited on.
+    """
     try:
-        size = path.stat().st_size
-        if size < FIXED_PREFIX_NBYTES:
-            raise IntegrityError(f"{path} is truncated")
-        data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-        n = prefix_nbytes(byte_view(data[:FIXED_PREFIX_NBYTES]))
-        prefix = bytes(byte_view(data[:n]))
-        header = parse_prefix(prefix)
-        body = data[n:]
-        verify_body(header, body)
+        f = _ReplicaFile(path)
     except FileNotFoundError:
         return None
     except (OSError, IntegrityError) as exc:
         log.warning("not sending the replica at %s back: %s", path, exc)
         return None
-    return prefix, body
+    try:
+        header, _ = f.header()
+        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
+        f.read_into(byte_view(body), header.prefix_nbytes)
+        verify_body(header, body)
+    except (OSError, IntegrityError) as exc:
+        log.warning("not sending the replica at %s back: %s", path, exc)
+        return None
+    finally:
+        f.close()
+    return f.prefix, body
 
 
 def _retire_previous(path: Path) -> Path | None:
@@ -651,8 +659,10 @@ class _StreamingSink:
     Nothing is renamed into place before the whole body has been verified.
     """
 
-    def __init__(self, path: Path, owner_rank: int, inbox: BufferPool) -> None:
-        self.writer = ReplicaWriter(path)
+    def __init__(
+        self, path: Path, owner_rank: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
+    ) -> None:
+        self.writer = ReplicaWriter(path, open_dir=open_dir)
         self.owner_rank = owner_rank
         self.inbox = inbox
         self.lease: Lease | None = None

@@ -49,7 +49,13 @@ import torch
 from . import _transport
 from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError
 from ._format import BodyVerifier, ReplicaHeader, parse_prefix
-from ._persist import _ReplicaFile, blocking_io, fsync_dirs, inspect_replica, load_replica, write_replica
+from ._persist import (
+    DirOpener,
+    _ReplicaFile,
+    blocking_io,
+    inspect_replica,
+    write_replica,
+)
 from ._plan import rebuild
 from ._pool import BufferPool
 from ._replication import ReplicationStager, _describe, _StreamingSink
@@ -230,9 +236,10 @@ async def all_gather(
 
 def _own_steps(ckpt: Checkpointer) -> set[int]:
     """Committed steps whose local file's header matches its commit marker (blocking)."""
-    from ._checkpointer import _header_check
+    from ._checkpointer import _header_check, _open_step_dir
 
     found = set()
+    assert ckpt._dir_fd is not None
     for step, marker in sorted(ckpt._committed.items()):
         entry = marker.files[0]
         path = ckpt.step_dir(step) / entry.name
@@ -240,7 +247,12 @@ def _own_steps(ckpt: Checkpointer) -> set[int]:
             path, step=step, rank=ckpt.rank, checkpoint_id=marker.checkpoint_id, entry=entry
         )
         try:
-            f = _ReplicaFile(path)
+            # Opened from the step directory, itself opened without following a link.
+            step_fd = _open_step_dir(ckpt._dir_fd, path.parent.name, create=False)
+            try:
+                f = _ReplicaFile(path, step_fd)
+            finally:
+                os.close(step_fd)
             try:
                 header, _ = f.header()
             finally:
@@ -308,10 +320,12 @@ class _HealingSink(_StreamingSink):
     drained and reported by :meth:`finish`.
     """
 
-    def __init__(self, path: Path, owner_rank: int, step: int, inbox: BufferPool) -> None:
+    def __init__(
+        self, path: Path, owner_rank: int, step: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
+    ) -> None:
         # The inbox is not used: the body becomes the restored state, and a fresh buffer is
         # faulted in by the receiving threads as it lands instead of being pre-faulted first.
-        super().__init__(path, owner_rank, inbox)
+        super().__init__(path, owner_rank, inbox, open_dir=open_dir)
         self.step = step
         self.empty = False
         self.body: torch.Tensor | None = None
@@ -485,7 +499,7 @@ async def _attempt(
         path = ckpt.step_dir(s) / entry.name
         check = _header_check(path, step=s, rank=ckpt.rank, checkpoint_id=marker.checkpoint_id, entry=entry)
         try:
-            attempt.state = await load_replica(path, limiter=ckpt._limiter, check=check)
+            attempt.state = await ckpt._load_local(s, path, check)
             attempt.local = OK
         except (OSError, IntegrityError) as exc:
             log.warning("rank %d: the local checkpoint of step %d is unusable: %s", rs.rank, s, exc)
@@ -539,7 +553,9 @@ async def _transfer(
             attempt.unwritable = PersistError(
                 f"cannot uncommit the unusable step {s} of rank {rs.rank}: {exc}"
             )
-        sink = _HealingSink(ckpt.step_dir(s) / ckpt._data_name, rs.rank, s, rs._inbox)
+        # The step directory is opened without following a link, like the Checkpointer's own.
+        opener = ckpt._step_dir_opener(s)
+        sink = _HealingSink(ckpt.step_dir(s) / ckpt._data_name, rs.rank, s, rs._inbox, open_dir=opener)
     try:
         if send and receive:
             assert sink is not None
@@ -610,8 +626,13 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
     marker = _Marker(header.step, ckpt.rank, header.checkpoint_id, time.time(), (entry,))
     try:
         with anyio.CancelScope(shield=True):
+            # The step directory's entry is durable before its marker commits it.
+            await blocking_io(os.fsync, ckpt._dir_fd, limiter=ckpt._limiter)
             await write_replica(
-                ckpt.step_dir(header.step) / ckpt._marker_name, [marker.to_json()], limiter=ckpt._limiter
+                ckpt.step_dir(header.step) / ckpt._marker_name,
+                [marker.to_json()],
+                limiter=ckpt._limiter,
+                open_dir=ckpt._step_dir_opener(header.step),
             )
             ckpt._committed[header.step] = marker
     except PersistError as exc:
@@ -641,12 +662,20 @@ async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> N
 
     for newer in sorted(s for s in ckpt._committed if s > step):
         marker = ckpt._committed.pop(newer)
-        if await blocking_io(
-            _delete_step, ckpt.step_dir(newer), marker, ckpt._marker_name, limiter=ckpt._limiter
-        ):
-            log.warning("rank %d: removed its step %d: not every rank can restore it", ckpt.rank, newer)
-        else:
+        try:
+            await blocking_io(
+                _delete_step,
+                ckpt._dir_fd,
+                ckpt.step_dir(newer).name,
+                marker,
+                ckpt._marker_name,
+                limiter=ckpt._limiter,
+            )
+        except OSError as exc:
+            log.warning("rank %d: cannot remove its step %d (still committed): %s", ckpt.rank, newer, exc)
             ckpt._committed[newer] = marker
+        else:
+            log.warning("rank %d: removed its step %d: not every rank can restore it", ckpt.rank, newer)
     held = await blocking_io(rs.held_replicas)
     for newer in sorted(s for s in held if s > step):
         try:
@@ -657,15 +686,25 @@ async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> N
 
 async def _forget_step(ckpt: Checkpointer, step: int) -> None:
     """Uncommit a local copy about to be replaced: the marker goes first, made durable."""
-    marker = ckpt._committed.pop(step, None)
-    path = ckpt.step_dir(step) / ckpt._marker_name
+    from ._checkpointer import _open_step_dir
+
+    ckpt._committed.pop(step, None)
+    assert ckpt._dir_fd is not None
+    dir_fd, name, marker_name = ckpt._dir_fd, ckpt.step_dir(step).name, ckpt._marker_name
 
     def remove() -> None:
+        # Relative to the step directory, opened without following a link: never outside.
         try:
-            os.unlink(path)
+            step_fd = _open_step_dir(dir_fd, name, create=False)
         except FileNotFoundError:
             return
-        fsync_dirs([path.parent])
+        try:
+            os.unlink(marker_name, dir_fd=step_fd)
+        except FileNotFoundError:
+            return
+        else:
+            os.fsync(step_fd)
+        finally:
+            os.close(step_fd)
 
-    if marker is not None or await blocking_io(path.exists, limiter=ckpt._limiter):
-        await blocking_io(remove, limiter=ckpt._limiter)
+    await blocking_io(remove, limiter=ckpt._limiter)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -295,9 +296,15 @@ def _persist_child(conn: Connection, jobs: list[tuple[str, bytes]], backend: str
     """Persist each ``(path, data)`` once told to go; report one :class:`Outcome` each.
 
     ``via_writer``: use :class:`ReplicaWriter` (exactly what ``write_replica`` does) made
-    before the go, so that the parent knows the temp names while setting up strace.
+    before the go, so that the parent knows the temp names while setting up strace.  Their
+    directories are opened before the go too (the writers get duplicates): strace's ``-P``
+    then matches a call made relative to a directory only by that descriptor, never by an
+    open of the directory's own path.
     """
-    writers = [ReplicaWriter(path, chunk_nbytes=CHUNK) for path, _ in jobs] if via_writer else []
+    writers = []
+    for path, _ in jobs if via_writer else []:
+        dir_fd = os.open(Path(path).parent, os.O_RDONLY | os.O_DIRECTORY)  # lives as long as the child
+        writers.append(ReplicaWriter(path, chunk_nbytes=CHUNK, open_dir=functools.partial(os.dup, dir_fd)))
     conn.send([str(w.temp_path) for w in writers])
     conn.recv()
 
@@ -546,12 +553,17 @@ def _temp_renamed(new_path: Callable[[Path, Path], Path]) -> Mutant:
     """The same calls with the temp file at ``new_path(temp, final)`` everywhere."""
 
     def mutate(calls: list[Syscall], final: Path) -> list[Syscall]:
-        temp = calls[_indices(calls, final, "rename")[0]].path_arg(0)
+        temp = _renamed(calls[_indices(calls, final, "rename")[0]])[0]
         old, new = str(temp), str(new_path(temp, final))
+
+        def edit(arg: str) -> str:
+            # A name relative to the directory's descriptor becomes the new absolute path.
+            return f'"{new}"' if arg == f'"{temp.name}"' else arg.replace(old, new)
+
         return [
             dataclasses.replace(
                 c,
-                args=tuple(a.replace(old, new) for a in c.args),
+                args=tuple(edit(a) for a in c.args),
                 ret_path=c.ret_path.replace(old, new) if c.ret_path else None,
             )
             for c in calls

@@ -38,8 +38,13 @@ from astage._persist import is_temp_name, load_replica_sync, write_replica
 from tests.test_durable_order import (
     CHUNK,
     CLEANUP,
+    OPENS,
+    RENAMES,
     TRACED,
     WRITES,
+    Syscall,
+    _opened,
+    _renamed,
     need_strace,
     parse_strace,
     replica,
@@ -74,6 +79,15 @@ FAULTS = [
 ]
 
 
+def on_path(call: Syscall, path: Path) -> bool:
+    """Whether ``call`` acts on ``path``: by a descriptor, or by a name (maybe directory-relative)."""
+    if call.name in OPENS:
+        return _opened(call) == path
+    if call.name in RENAMES:
+        return _renamed(call)[0] == path
+    return call.fd_path() == path
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.step for f in FAULTS])
 def test_a_failed_step_is_named_not_retried_and_leaves_a_whole_replica(
@@ -84,20 +98,24 @@ def test_a_failed_step_is_named_not_retried_and_leaves_a_whole_replica(
     anyio.run(write_replica, final, [previous])
 
     def strace_args(temps: list[Path]) -> list[str]:
-        target = final.parent if fault.on_directory else temps[0]
+        # The temp file is created, renamed and removed relative to its directory's
+        # descriptor, so ``-P`` must name the directory for those calls to be seen.
+        targets = [final.parent] if fault.on_directory else [temps[0], final.parent]
         return [
-            *("-P", str(target), "-e", f"trace={syscall_set(TRACED)}"),
+            *(arg for target in targets for arg in ("-P", str(target))),
+            *("-e", f"trace={syscall_set(TRACED)}"),
             *("-e", f"inject={syscall_set(fault.syscalls)}:error={fault.error}"),
         ]
 
     traced = run_traced([(final, new)], strace_args, backend=backend, via_writer=True)
+    target = final.parent if fault.on_directory else traced.temps[0]
 
     (outcome,) = traced.outcomes
     assert outcome.error == "PersistError", outcome
     assert outcome.message.startswith(f"{fault.step} failed for {final}: "), outcome.message
     assert outcome.errno == getattr(errno, fault.error)
 
-    attempts = [c for c in traced.calls if c.name in fault.syscalls]
+    attempts = [c for c in traced.calls if c.name in fault.syscalls and on_path(c, target)]
     assert len(attempts) == 1, f"expected one attempt, got {[str(c) for c in attempts]}"
     (failed,) = attempts
     assert failed.injected
