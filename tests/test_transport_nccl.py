@@ -35,7 +35,7 @@ from astage._transport import (
     wire_kind,
 )
 from tests.distributed import run_group
-from tests.test_transport import (
+from tests.payloads import (
     KINDS,
     SMALL_CHUNK,
     body_of,
