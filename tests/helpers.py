@@ -235,7 +235,7 @@ POISON = 0xA5
 
 def free_buffers(stager: DefaultStager) -> list[torch.UntypedStorage]:
     """The storages idle in ``stager``'s pool (released, free for the next stage)."""
-    return [buf.storage for bucket in stager._pool._free.values() for buf in bucket]
+    return stager._pool.idle_storages()
 
 
 def poison(storages: list[torch.UntypedStorage]) -> None:
