@@ -36,10 +36,10 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
+import anyio.abc
 import torch
 import torch.distributed as dist
 
@@ -173,7 +173,7 @@ def _remaining(deadline: float) -> float:
     return max(deadline - time.perf_counter(), 1e-3)
 
 
-class ReplicationStager:
+class ReplicationStager(anyio.abc.AsyncResource):
     """Stage, exchange with a ring peer, and persist the peer's replica durably.
 
     ::
@@ -275,14 +275,6 @@ class ReplicationStager:
     async def __aenter__(self) -> Self:
         await self._start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def _start(self) -> None:
         if self._started:
