@@ -15,14 +15,13 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-import anyio
 import torch
 import torch.distributed as dist
 
 from .._errors import ConfigurationError
 from .._threads import run_unpinned
 from ._protocol import BREAK_TAG
-from ._wire import Message
+from ._wire import Message, Route
 
 _WINDOW = 4
 """Gloo: chunks posted ahead of the one being waited for, per direction."""
@@ -36,22 +35,10 @@ class GlooWire:
 
     window = _WINDOW
 
-    def __init__(
-        self,
-        pg: dist.ProcessGroup | None,
-        rank: int,
-        send_to: int | None,
-        recv_from: int | None,
-        deadline: float,
-        limiter: anyio.CapacityLimiter,
-    ) -> None:
-        if rank in (send_to, recv_from):
+    def __init__(self, route: Route) -> None:
+        if route.rank in (route.send_to, route.recv_from):
             raise ConfigurationError("gloo cannot send to its own rank: a loopback needs an NCCL group")
-        self.pg = pg
-        self.send_to = send_to
-        self.recv_from = recv_from
-        self.deadline = deadline
-        self.limiter = limiter
+        self.route = route
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -61,9 +48,9 @@ class GlooWire:
 
     async def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> Message:
         if send:
-            work = dist.isend(tensor, group=self.pg, group_dst=self.send_to, tag=tag)
+            work = dist.isend(tensor, group=self.route.pg, group_dst=self.route.send_to, tag=tag)
         else:
-            work = dist.irecv(tensor, group=self.pg, group_src=self.recv_from, tag=tag)
+            work = dist.irecv(tensor, group=self.route.pg, group_src=self.route.recv_from, tag=tag)
         if work is None:
             raise ConfigurationError("this rank is not a member of the process group")
         return _GlooMessage(work, tensor, self)
@@ -72,10 +59,11 @@ class GlooWire:
         # A timed-out gloo wait makes gloo close every pair of the group's context: all
         # pending work fails at once (so gloo lets go of our tensors) and the peers see a
         # closed connection right away instead of at their own deadline.
-        peer = self.recv_from if self.recv_from is not None else self.send_to
+        route = self.route
+        peer = route.recv_from if route.recv_from is not None else route.send_to
         probe = torch.empty(1, dtype=torch.uint8)
         try:
-            work = dist.irecv(probe, group=self.pg, group_src=peer, tag=BREAK_TAG)
+            work = dist.irecv(probe, group=route.pg, group_src=peer, tag=BREAK_TAG)
             if work is not None:
                 work.wait(timedelta(milliseconds=1))
         except (RuntimeError, ValueError):
@@ -94,8 +82,8 @@ class _GlooMessage:
             done = await run_unpinned(
                 _wait,
                 self.work,
-                self.wire.deadline + _THREAD_GRACE,
-                limiter=self.wire.limiter,
+                self.wire.route.deadline + _THREAD_GRACE,
+                limiter=self.wire.route.limiter,
                 abandon_on_cancel=True,
             )
             if not done:

@@ -29,7 +29,7 @@ from .._errors import ConfigurationError, PeerReportedError, PeerTimeoutError, T
 from ._gloo import GlooWire
 from ._nccl import NcclWire
 from ._protocol import ExchangeStats, Received, wire_kind
-from ._wire import Message, Wire
+from ._wire import Message, Route, Wire
 
 log = logging.getLogger("astage.transport")
 
@@ -74,9 +74,8 @@ class Link:
         # One worker thread per direction at a time (a wait, a packing or pageable copy, or
         # an NCCL launch): a direction awaits each before its next step.
         self.limiter = anyio.CapacityLimiter(2)
-        self.wire: Wire = (GlooWire if wire_kind(dist.get_backend_config(pg)) == "gloo" else NcclWire)(
-            pg, self.rank, send_to, recv_from, self.deadline, self.limiter
-        )
+        route = Route(pg, self.rank, send_to, recv_from, self.deadline, self.limiter)
+        self.wire: Wire = (GlooWire if wire_kind(dist.get_backend_config(pg)) == "gloo" else NcclWire)(route)
         # Posted messages not yet seen complete; each holds the tensors it reads or writes.
         self.pending: set[Message] = set()
         self.bytes_sent = 0

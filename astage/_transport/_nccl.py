@@ -26,7 +26,7 @@ from .._errors import ConfigurationError
 from .._events import Queryable, wait_event
 from .._threads import run_unpinned
 from ._pairing import Pairing
-from ._wire import Message
+from ._wire import Message, Route
 
 _NCCL_WINDOW = 2
 """NCCL: the same, kept small because each message in flight holds a device bounce buffer
@@ -45,32 +45,22 @@ class NcclWire:
 
     window = _NCCL_WINDOW
 
-    def __init__(
-        self,
-        pg: dist.ProcessGroup | None,
-        rank: int,
-        send_to: int | None,
-        recv_from: int | None,
-        deadline: float,
-        limiter: anyio.CapacityLimiter,
-    ) -> None:
+    def __init__(self, route: Route) -> None:
         if not torch.cuda.is_available():
             raise ConfigurationError(
                 "an NCCL process group needs CUDA, and torch.cuda.is_available() is False"
             )
-        group = pg if pg is not None else dist.group.WORLD
+        group = route.pg if route.pg is not None else dist.group.WORLD
         assert group is not None  # torch.distributed is initialised
-        self.pg = pg
+        self.route = route
         self.group = group
-        self.send_to = send_to
-        self.recv_from = recv_from
-        self.limiter = limiter
+        self.limiter = route.limiter
         bound = group.bound_device_id
         self.device = bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
         self.h2d = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.d2h = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.pairing: Pairing[_NcclMessage] = Pairing(
-            sends=send_to is not None, receives=recv_from is not None
+            sends=route.send_to is not None, receives=route.recv_from is not None
         )
         self.launching = anyio.Lock()
         self.free: list[torch.Tensor] = []
@@ -144,8 +134,8 @@ class NcclWire:
                     dist.P2POp(
                         dist.isend if m.send else dist.irecv,
                         m.buffer[: m.host.numel()],
-                        group=self.pg,
-                        group_peer=self.send_to if m.send else self.recv_from,
+                        group=self.route.pg,
+                        group_peer=self.route.send_to if m.send else self.route.recv_from,
                     )
                     for m in batch
                 ]

@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import anyio
 import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one call's messages go, by when, and under which thread limiter.
+
+    :ivar pg: the process group (``None``: the default group).
+    :ivar rank: this rank, in ``pg``'s rank space.
+    :ivar send_to: the peer this call sends to, if it sends.
+    :ivar recv_from: the peer this call receives from, if it receives.
+    :ivar deadline: ``time.monotonic()`` by which the call must end.
+    :ivar limiter: the call's worker threads (one a direction).
+    """
+
+    pg: dist.ProcessGroup | None
+    rank: int
+    send_to: int | None
+    recv_from: int | None
+    deadline: float
+    limiter: anyio.CapacityLimiter
 
 
 class Message(Protocol):
