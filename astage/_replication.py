@@ -53,6 +53,7 @@ from ._errors import (
     PersistError,
     TransportError,
 )
+from ._errors import describe as _describe
 from ._format import (
     BodyVerifier,
     Encoded,
@@ -154,10 +155,6 @@ class ReplicationResult:
     def replica(self) -> Any:
         """The peer's state_dict, rebuilt over the received bytes (verified; CPU)."""
         return decode(self.replica_header, self._body)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _check_call(step: object, checkpoint_id: object) -> None:
