@@ -2,55 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
-import anyio
 import pytest
 import torch
 
 from astage import DefaultStager
+from tests.helpers import Beats, heartbeat_gaps
 
 pytestmark = pytest.mark.anyio
-
-
-@dataclass(frozen=True)
-class Beats:
-    """What a 1 ms heartbeat saw while some work ran.
-
-    :ivar gaps: wall time between consecutive beats.
-    :ivar busy: CPU time the loop thread spent between consecutive beats: what kept the
-        heartbeat waiting on the loop itself, as opposed to the process being descheduled
-        on a loaded machine (which lengthens ``gaps`` but not ``busy``).
-    :ivar elapsed: wall time of the whole work.
-    """
-
-    gaps: list[float]
-    busy: list[float]
-    elapsed: float
-
-
-async def heartbeat_gaps(work: object) -> Beats:
-    """Beats of a 1 ms heartbeat while ``work`` (an awaitable factory) runs."""
-    gaps: list[float] = []
-    busy: list[float] = []
-    done = anyio.Event()
-
-    async def beat() -> None:
-        last, last_cpu = time.perf_counter(), time.thread_time()
-        while not done.is_set():
-            await anyio.sleep(0.001)
-            now, now_cpu = time.perf_counter(), time.thread_time()
-            gaps.append(now - last)
-            busy.append(now_cpu - last_cpu)
-            last, last_cpu = now, now_cpu
-
-    started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(beat)
-        await work()  # type: ignore[operator]
-        done.set()
-    return Beats(gaps, busy, time.perf_counter() - started)
 
 
 def assert_loop_kept_its_turn(beats: Beats, max_hold_cpu: float) -> None:
