@@ -74,6 +74,8 @@ from ._errors import (
     ResourceError,
 )
 from ._format import ReplicaHeader, ReplicaLayout, lay_out
+from ._limits import INT64 as _INT64
+from ._limits import RANK_LIMIT as _RANK_LIMIT
 from ._persist import (
     blocking_io,
     find_replicas,
@@ -98,8 +100,6 @@ MARKER_VERSION: Final = 2
 
 _STEP_DIR_RE: Final = re.compile(r"\Astep_([0-9]{10,19})\Z")
 _MARKER_CAP: Final = 1 << 20
-_INT64: Final = 1 << 63
-_RANK_LIMIT: Final = 1 << 31
 
 EventKind = Literal["staged", "persisted", "replicated", "committed", "failed"]
 """What happened to a save: ``staged`` first, then ``persisted`` (the local file is durable)

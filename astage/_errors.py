@@ -104,3 +104,8 @@ class IntegrityError(AstageError, ValueError):
 
 class PersistError(AstageError, OSError):
     """Writing a replica or checkpoint durably failed; the previous one is intact."""
+
+
+def describe(exc: BaseException) -> str:
+    """``"TypeName: message"``: how a failure is named inside another error's message."""
+    return f"{type(exc).__name__}: {exc}"

@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -110,17 +111,20 @@ def is_temp_name(name: str) -> bool:
 async def blocking_io(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter | None = None) -> T:
     """Run a blocking file call in a worker thread and wait for it, even if cancelled.
 
-    Under asyncio this is aiofiles' executor wrapper; under any other anyio backend an anyio
-    worker thread (honouring ``limiter``).  Either way a cancellation is delivered only once
-    the call has returned, never while it may still touch a descriptor that cleanup would
-    close (and the OS could hand to another file).
+    The call holds one of ``limiter``'s tokens (when given) on every backend: under asyncio
+    it runs through aiofiles' executor wrapper once the token is held, under any other
+    anyio backend in an anyio worker thread under the limiter.  Either way a cancellation
+    is delivered only once the call has returned, never while it may still touch a
+    descriptor that cleanup would close (and the OS could hand to another file).
     """
     if sniffio.current_async_library() == "asyncio":
-        # A pending cancellation is delivered before the call starts; once started, the
-        # call's result is always returned (a file it created must reach its cleanup).
+        # A pending cancellation is delivered before the call starts (waiting for a token
+        # included); once started, the call's result is always returned (a file it created
+        # must reach its cleanup).
         await anyio.lowlevel.checkpoint_if_cancelled()
-        with anyio.CancelScope(shield=True):
-            result: T = await aiofiles.os.wrap(fn)(*args)
+        async with limiter if limiter is not None else contextlib.nullcontext():
+            with anyio.CancelScope(shield=True):
+                result: T = await aiofiles.os.wrap(fn)(*args)
         return result
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 

@@ -432,6 +432,10 @@ class BufferPool:
                 self._out_bytes += buf.nbytes
         lease.buffers = []
 
+    def idle_storages(self) -> list[torch.UntypedStorage]:
+        """The storages idle in the pool, free for the next request (diagnostics, tests)."""
+        return [buf.storage for bucket in self._free.values() for buf in bucket]
+
     def handed_out_storages(self) -> set[int]:
         """Identities (``_cdata``) of the storages currently handed out to callers."""
         return {buf.storage._cdata for buf in self._out.values()}

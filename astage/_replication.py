@@ -36,10 +36,10 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
+import anyio.abc
 import torch
 import torch.distributed as dist
 
@@ -53,6 +53,7 @@ from ._errors import (
     PersistError,
     TransportError,
 )
+from ._errors import describe as _describe
 from ._format import (
     BodyVerifier,
     Encoded,
@@ -156,10 +157,6 @@ class ReplicationResult:
         return decode(self.replica_header, self._body)
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _check_call(step: object, checkpoint_id: object) -> None:
     # Checked before staging; the format checks the rest (the id's length) while encoding.
     check_int("step", step, lo=-(_MAX_BYTES + 1), hi=_MAX_BYTES)
@@ -173,7 +170,7 @@ def _remaining(deadline: float) -> float:
     return max(deadline - time.perf_counter(), 1e-3)
 
 
-class ReplicationStager:
+class ReplicationStager(anyio.abc.AsyncResource):
     """Stage, exchange with a ring peer, and persist the peer's replica durably.
 
     ::
@@ -275,14 +272,6 @@ class ReplicationStager:
     async def __aenter__(self) -> Self:
         await self._start()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def _start(self) -> None:
         if self._started:

@@ -47,7 +47,7 @@ import anyio
 import torch
 
 from . import _transport
-from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError
+from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError, describe
 from ._format import BodyVerifier, ReplicaHeader, parse_prefix
 from ._persist import (
     DirOpener,
@@ -58,7 +58,7 @@ from ._persist import (
 )
 from ._plan import rebuild
 from ._pool import BufferPool
-from ._replication import ReplicationStager, _describe, _StreamingSink
+from ._replication import ReplicationStager, _StreamingSink
 
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer
@@ -415,7 +415,7 @@ async def collective_restore(ckpt: Checkpointer, rs: ReplicationStager, step: in
             # failed after one): the group is in step and stays usable.
             raise
         except BaseException as exc:
-            rs._broken = _describe(exc)
+            rs._broken = describe(exc)
             raise
 
 

@@ -44,7 +44,14 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from ._errors import AstageError, ClosedError, ConfigurationError, PersistError, UnsupportedInputError
+from ._errors import (
+    AstageError,
+    ClosedError,
+    ConfigurationError,
+    PersistError,
+    UnsupportedInputError,
+    describe,
+)
 from ._events import wait_event
 from ._options import accelerator_available
 from ._stager import AsyncStager, DefaultStager
@@ -333,16 +340,17 @@ def _save(staged: StateDict, *, checkpoint_id: CheckpointId | None, **save_kwarg
         raise
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         where = f" to {os.fspath(checkpoint_id)!r}" if checkpoint_id is not None else ""
-        raise PersistError(f"torch.distributed.checkpoint.save{where} failed: {_describe(exc)}") from exc
+        why = _describe_failures(exc)
+        raise PersistError(f"torch.distributed.checkpoint.save{where} failed: {why}") from exc
 
 
-def _describe(exc: BaseException) -> str:
+def _describe_failures(exc: BaseException) -> str:
     """One line per failure; DCP's own message carries a traceback per rank."""
     if isinstance(exc, CheckpointException):
         return "; ".join(
-            f"rank {rank}: {_describe(error)}" for rank, (error, _) in sorted(exc.failures.items())
+            f"rank {rank}: {_describe_failures(error)}" for rank, (error, _) in sorted(exc.failures.items())
         )
-    return f"{type(exc).__name__}: {exc}"
+    return describe(exc)
 
 
 def _check_state_dict(state_dict: object) -> None:

@@ -22,6 +22,7 @@ import gc
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +236,7 @@ POISON = 0xA5
 
 def free_buffers(stager: DefaultStager) -> list[torch.UntypedStorage]:
     """The storages idle in ``stager``'s pool (released, free for the next stage)."""
-    return [buf.storage for bucket in stager._pool._free.values() for buf in bucket]
+    return stager._pool.idle_storages()
 
 
 def poison(storages: list[torch.UntypedStorage]) -> None:
@@ -287,3 +288,48 @@ async def assert_no_late_writes(stager: DefaultStager, wait: float = 0.05) -> No
     await anyio.sleep(wait)
     touched = unpoisoned(storages)
     assert not touched, f"{len(touched)} released buffer(s) were written after their release"
+
+
+# -- the loop's heartbeat --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Beats:
+    """What a 1 ms heartbeat saw while some work ran.
+
+    A loop blocked by some work shows as a gap as long as the work in ``gaps`` and, unlike
+    a stall of the whole process on a loaded machine, in ``busy`` as well.
+
+    :ivar gaps: wall time between consecutive beats.
+    :ivar busy: CPU time the loop thread spent between consecutive beats: what kept the
+        heartbeat waiting on the loop itself, as opposed to the process being descheduled
+        on a loaded machine (which lengthens ``gaps`` but not ``busy``).
+    :ivar elapsed: wall time of the whole work.
+    """
+
+    gaps: list[float]
+    busy: list[float]
+    elapsed: float
+
+
+async def heartbeat_gaps(work: Callable[[], Awaitable[object]], period: float = 0.001) -> Beats:
+    """Beats of a heartbeat every ``period`` seconds while ``work()`` runs."""
+    gaps: list[float] = []
+    busy: list[float] = []
+    done = anyio.Event()
+
+    async def beat() -> None:
+        last, last_cpu = time.perf_counter(), time.thread_time()
+        while not done.is_set():
+            await anyio.sleep(period)
+            now, now_cpu = time.perf_counter(), time.thread_time()
+            gaps.append(now - last)
+            busy.append(now_cpu - last_cpu)
+            last, last_cpu = now, now_cpu
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(beat)
+        await work()
+        done.set()
+    return Beats(gaps, busy, time.perf_counter() - started)

@@ -222,6 +222,16 @@ async def test_a_module_and_optimizer_round_trip_into_fresh_objects(tmp_path: Pa
 # -- back-pressure and ordering ------------------------------------------------------------
 
 
+class CountingStager(astage.DefaultStager):
+    """A real stager that counts the stages it was asked for."""
+
+    stages = 0
+
+    async def stage(self, state_dict: Any) -> Any:
+        self.stages += 1
+        return await super().stage(state_dict)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("max_in_flight", [1, 2])
 async def test_back_pressure_bounds_the_saves_in_flight_and_their_memory(
@@ -230,7 +240,7 @@ async def test_back_pressure_bounds_the_saves_in_flight_and_their_memory(
     replicator = DirectoryReplicator(tmp_path / "peer")
     replicator.gate = anyio.Event()
     one_state = 256 << 10
-    async with astage.DefaultStager() as stager:
+    async with CountingStager() as stager:
         async with astage.Checkpointer(
             tmp_path / "ckpt", stager=stager, replication=replicator, max_in_flight=max_in_flight
         ) as ckpt:
@@ -244,11 +254,14 @@ async def test_back_pressure_bounds_the_saves_in_flight_and_their_memory(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(one_more)
-                await anyio.sleep(0.2)
-                assert blocked == [], "a save beyond max_in_flight must wait"
+                await anyio.wait_all_tasks_blocked()
+                # A save waits for its slot before it stages: this one has not started.
+                assert stager.stages == max_in_flight, "a save beyond max_in_flight must wait"
+                assert blocked == []
                 assert ckpt.in_flight == tuple(range(max_in_flight))
                 pool = stager.pool_stats()
                 assert pool.handed_out_bytes + pool.leased_bytes <= max_in_flight * (one_state + 64)
+                await anyio.sleep(0.2)  # hold the gate: the wait it causes must show in the stats
                 replicator.gate.set()
             stats = await blocked[0].wait()
             assert stats.backpressure_seconds > 0.1

@@ -52,21 +52,39 @@ async def test_polling_waits_for_completion_and_backs_off() -> None:
     assert 5 < event.queries < 200
 
 
-async def test_the_loop_keeps_running_while_waiting() -> None:
-    event = ThreadDoneEvent(0.05)
-    ticks = 0
+class ReleasedByTheLoop:
+    """An event that completes only once another task on the loop has released it.
 
-    async def heartbeat() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
+    A ``wait_event`` that held the loop would never let that task run: ``query`` then
+    gives up after ``patience`` seconds (so a blocking regression ends instead of hanging)
+    and reports complete without having been released.
+    """
+
+    def __init__(self, patience: float = 5.0) -> None:
+        self.released = threading.Event()
+        self._give_up_at = time.monotonic() + patience
+
+    def query(self) -> bool:
+        return self.released.is_set() or time.monotonic() > self._give_up_at
+
+
+async def test_the_loop_keeps_running_while_waiting() -> None:
+    event = ReleasedByTheLoop()
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        for _ in range(10):  # ten turns of the loop, each a timed sleep like a heartbeat's
+            turns += 1
             await anyio.sleep(0.001)
+        event.released.set()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(heartbeat)
+        tg.start_soon(other_task)
         await wait_event(event)
-        tg.cancel_scope.cancel()
-    assert ticks >= 10
+        released_by_the_loop = event.released.is_set()
+    assert released_by_the_loop, "wait_event returned without the loop running the other task"
+    assert turns == 10
 
 
 @pytest.mark.parametrize("strategy", ["poll", "thread"])

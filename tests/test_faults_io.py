@@ -35,7 +35,7 @@ import anyio
 import pytest
 
 from astage._persist import is_temp_name, load_replica_sync, write_replica
-from tests.test_durable_order import (
+from tests.strace import (
     CHUNK,
     CLEANUP,
     OPENS,
@@ -43,10 +43,10 @@ from tests.test_durable_order import (
     TRACED,
     WRITES,
     Syscall,
-    _opened,
-    _renamed,
     need_strace,
     parse_strace,
+    path_opened,
+    paths_renamed,
     replica,
     run_traced,
     syscall_set,
@@ -82,9 +82,9 @@ FAULTS = [
 def on_path(call: Syscall, path: Path) -> bool:
     """Whether ``call`` acts on ``path``: by a descriptor, or by a name (maybe directory-relative)."""
     if call.name in OPENS:
-        return _opened(call) == path
+        return path_opened(call) == path
     if call.name in RENAMES:
-        return _renamed(call)[0] == path
+        return paths_renamed(call)[0] == path
     return call.fd_path() == path
 
 

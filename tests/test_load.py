@@ -150,7 +150,8 @@ async def test_a_small_stage_never_overtakes_a_larger_one_waiting_before_it() ->
             tg.start_soon(stage, "large", 2)  # does not fit: waits
             await until(lambda: stager.pool_stats().waiters == 1)
             tg.start_soon(stage, "small", 1)  # would fit, but the large one waits first
-            await anyio.sleep(0.2)
+            await until(lambda: stager.pool_stats().waiters == 2)
+            await anyio.wait_all_tasks_blocked()
             assert order == []
             assert stager.pool_stats().waiters == 2
             await stager.release(held)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import signal
 import stat
 import struct
 import subprocess
+import threading
 import time
 import uuid
 import warnings
@@ -29,6 +31,7 @@ from astage import _format
 from astage._format import Encoded, encode
 from astage._persist import (
     ReplicaWriter,
+    blocking_io,
     find_replicas,
     is_temp_name,
     load_replica,
@@ -434,3 +437,41 @@ async def test_a_header_claiming_a_huge_body_is_refused_before_allocating(tmp_pa
 async def test_missing_file_is_an_os_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         await load_replica(tmp_path / "nope.astage")
+
+
+# -- the blocking-I/O helper --------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_blocking_io_honours_its_limiter_on_every_backend() -> None:
+    """With one token, a second blocking call waits on the loop until the first returns.
+
+    Under asyncio the helper used to go through aiofiles' executor wrapper and ignore the
+    limiter, so ``Checkpointer(threads=...)`` did not bound file I/O there.
+    """
+    limiter = anyio.CapacityLimiter(1)
+    entered = threading.Event()
+    release = threading.Event()
+    lock = threading.Lock()
+    running = peak = 0
+
+    def call() -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        entered.set()
+        release.wait(10)  # the test releases it; the timeout only ends a broken run
+        with lock:
+            running -= 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(blocking_io, call, limiter=limiter))
+        tg.start_soon(functools.partial(blocking_io, call, limiter=limiter))
+        await anyio.to_thread.run_sync(entered.wait, 10)
+        await anyio.wait_all_tasks_blocked()
+        waiting = limiter.statistics().tasks_waiting
+        release.set()
+    assert waiting == 1, "the second call did not wait for the limiter's one token"
+    assert peak == 1
+    assert limiter.borrowed_tokens == 0

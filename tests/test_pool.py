@@ -79,7 +79,7 @@ async def test_waiters_are_served_first_in_first_out() -> None:
     async with anyio.create_task_group() as tg:
         for i in range(6):
             tg.start_soon(waiter, i)
-            await anyio.sleep(0.002)  # queue them in a known order
+            await anyio.wait_all_tasks_blocked()  # waiter i is queued before i + 1 starts
         assert pool.stats().waiters == 6
         pool.give_back(first)
     assert order == list(range(6))
@@ -126,7 +126,8 @@ async def test_closing_wakes_waiters_with_a_closed_error() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter)
-        await anyio.sleep(0.01)
+        await anyio.wait_all_tasks_blocked()
+        assert pool.stats().waiters == 1
         await pool.aclose()
         await pool.aclose()
     assert len(errors) == 1

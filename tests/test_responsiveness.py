@@ -2,46 +2,28 @@
 
 from __future__ import annotations
 
-import time
-
-import anyio
 import pytest
 import torch
 
 from astage import DefaultStager
+from tests.helpers import Beats, heartbeat_gaps
 
 pytestmark = pytest.mark.anyio
 
 
-async def heartbeat_gaps(work: object) -> tuple[list[float], float]:
-    """Gaps between 1 ms heartbeats while ``work`` (an awaitable factory) runs."""
-    gaps: list[float] = []
-    done = anyio.Event()
+def assert_loop_kept_its_turn(beats: Beats, max_hold_cpu: float) -> None:
+    """Bounds that fail a blocked loop, stably on a loaded 2-core machine.
 
-    async def beat() -> None:
-        last = time.perf_counter()
-        while not done.is_set():
-            await anyio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+    The wall-time bounds are generous (a garbage collection or a descheduled process can
+    stall a beat for 100+ ms there); the CPU bound is tight, because time the process does
+    not run is not CPU time of the loop thread.  (The benchmarks measure the real lag.)
 
-    started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(beat)
-        await work()  # type: ignore[operator]
-        done.set()
-    return gaps, time.perf_counter() - started
-
-
-def assert_loop_kept_its_turn(gaps: list[float], elapsed: float) -> None:
-    """Generous bounds that still fail a blocked loop, whose one gap spans the whole stage.
-
-    (The benchmarks measure the real lag; this only pins down that the loop is not blocked,
-    stably on a loaded 2-core machine where a garbage collection can take 100+ ms.)
+    :param max_hold_cpu: most CPU seconds the loop thread may spend between two beats.
     """
+    gaps, elapsed = beats.gaps, beats.elapsed
     assert len(gaps) >= elapsed / 0.025, (len(gaps), elapsed)  # a beat every 25 ms on average
     assert max(gaps) < max(0.15, elapsed / 2), (max(gaps), elapsed)
+    assert max(beats.busy) < max_hold_cpu, (max(beats.busy), elapsed)
 
 
 async def test_heartbeat_keeps_ticking_during_a_512_mib_stage() -> None:
@@ -51,9 +33,11 @@ async def test_heartbeat_keeps_ticking_during_a_512_mib_stage() -> None:
         async def work() -> None:
             await stager.stage(sd)
 
-        gaps, elapsed = await heartbeat_gaps(work)
-    assert elapsed > 0.02
-    assert_loop_kept_its_turn(gaps, elapsed)
+        beats = await heartbeat_gaps(work)
+    assert beats.elapsed > 0.02
+    # The loop holds well under 1 ms between beats here (measured); copying even one of the
+    # 64 MiB tensors on the loop would hold it ~10 ms.
+    assert_loop_kept_its_turn(beats, max_hold_cpu=0.005)
 
 
 async def test_heartbeat_keeps_ticking_while_staging_many_small_tensors() -> None:
@@ -63,5 +47,7 @@ async def test_heartbeat_keeps_ticking_while_staging_many_small_tensors() -> Non
         async def work() -> None:
             await stager.stage(sd)
 
-        gaps, elapsed = await heartbeat_gaps(work)
-    assert_loop_kept_its_turn(gaps, elapsed)
+        beats = await heartbeat_gaps(work)
+    # Measured on a 2-core machine: holds of up to ~0.16 s (a known lag, left to the staging
+    # work); staging these 20,000 tensors on the loop in one go would hold it 0.5 s or more.
+    assert_loop_kept_its_turn(beats, max_hold_cpu=0.3)

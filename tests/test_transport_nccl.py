@@ -35,7 +35,7 @@ from astage._transport import (
     wire_kind,
 )
 from tests.distributed import run_group
-from tests.test_transport import (
+from tests.payloads import (
     KINDS,
     SMALL_CHUNK,
     body_of,
@@ -94,10 +94,11 @@ def test_gloo_refuses_a_loopback_that_only_nccl_can_do() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_nccl_wire_needs_cuda() -> None:
-    from astage._transport import _NcclWire
+    from astage._transport._nccl import NcclWire
+    from astage._transport._wire import Route
 
     with pytest.raises(astage.ConfigurationError, match="needs CUDA"):
-        _NcclWire(None, 0, 1, 1, time.monotonic() + 1, anyio.CapacityLimiter(2))
+        NcclWire(Route(None, 0, 1, 1, time.monotonic() + 1, anyio.CapacityLimiter(2)))
 
 
 # -- pairing: the k-th message of each direction goes in the k-th launch ----------------
