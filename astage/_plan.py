@@ -603,7 +603,7 @@ def rebuild(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Any:
 def iter_rebuild(plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> Steps[Any]:
     """Rebuild the planned tree in time slices; ``local_tensor(i)`` gives the plain staged
     tensor of ``plan.tensors[i]`` (wrapped here as a Parameter or DTensor as planned)."""
-    return (yield from within(plain_tensor_mode, _Rebuilder(plan, local_tensor).node(plan.root)))
+    return (yield from within(plain_tensor_mode, Rebuilder(plan, local_tensor).node(plan.root)))
 
 
 @contextlib.contextmanager
@@ -618,7 +618,7 @@ def plain_tensor_mode() -> Iterator[None]:
         yield
 
 
-class _Rebuilder:
+class Rebuilder:
     # A class rather than nested closures: closures that call each other form a reference
     # cycle, which would keep the staged tensors (and so their buffers) alive until the
     # garbage collector happens to run.
@@ -713,3 +713,215 @@ class _Rebuilder:
                     object.__setattr__(obj, name, value)
                 return obj
         raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
+
+
+# -- re-using a plan ----------------------------------------------------------------------
+#
+# Planning 20,000 tensors costs more than copying them.  A later stage of a state_dict with
+# the same structure re-uses the plan after checking, per tensor, everything the plan was
+# derived from.  Object identity is never trusted: ``model.state_dict()`` returns new
+# tensor objects (and new dicts) every call.
+
+
+def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    """Everything a plan records about one tensor, as one tuple compared in C.
+
+    The storage is named by its ``StorageImpl`` (``_cdata``, what the planner groups
+    storages by) together with its data pointer and byte size, so a tensor moved to another
+    storage (``set_``, ``.data =``), a storage resized, or two tensors that start or stop
+    sharing one, all change some tensor's signature.
+    """
+    st = t.untyped_storage()
+    return (
+        type(t),
+        t.dtype,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+        t.is_conj(),
+        t.is_neg(),
+        t.layout,
+        t.is_nested,
+        st._cdata,
+        st.data_ptr(),
+        st.nbytes(),
+    )
+
+
+_META = slice(0, 10)
+"""The part of a :func:`tensor_signature` that is not about which storage the tensor views."""
+
+
+_EQUAL_ATOMS: frozenset[type] = frozenset({int, str, bytes, type(None), torch.Size, torch.device})
+"""Atom types whose ``==`` means "the same value" (``bool``, ``dtype`` are singletons)."""
+
+
+def _same_atom(old: Any, new: Any) -> bool:
+    if new is old:
+        return True
+    cls = type(old)
+    if type(new) is not cls:
+        return False
+    if cls in _EQUAL_ATOMS:
+        return bool(new == old)
+    if cls is float:  # NaN never equals itself (re-plan), and -0.0 == 0.0 must not pass
+        return bool(new == old) and (new != 0.0 or str(new) == str(old))
+    return False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class FastPlan:
+    """A plan with what is needed to check that a later state_dict has the same one.
+
+    ``signatures[i]`` is :func:`tensor_signature` of ``plan.tensors[i]``'s source when the
+    plan was made; ``key_types`` the types of every dict's keys, by memo.
+    """
+
+    plan: StagePlan
+    signatures: tuple[tuple[Any, ...], ...]
+    key_types: dict[int, tuple[type, ...]]
+
+
+_KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
+
+
+def _eligible(node: Node, key_types: dict[int, tuple[type, ...]]) -> Steps[bool]:
+    """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
+    tuples, immutable atoms and plain tensors or Parameters only (anything else is planned
+    anew at every stage, as before)."""
+    match node:
+        case AtomNode() | TensorNode():
+            return True
+        case DictNode(memo, keys, values, None, ()):
+            types_ = tuple(map(type, keys))
+            if not _KEY_ATOMS.issuperset(types_):
+                return False
+            key_types[memo] = types_
+            children: tuple[Node, ...] = values
+        case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
+            children = items
+        case _:
+            return False
+    for child in children:
+        if (
+            type(child) is not AtomNode
+            and type(child) is not TensorNode
+            and not (yield from _eligible(child, key_types))
+        ):
+            return False
+    return True
+
+
+def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
+    """The checkable form of ``source``'s plan, or ``None`` where it cannot be re-checked."""
+    plan = source.plan
+    for spec in plan.tensors:
+        if spec.kind is TensorKind.DTENSOR or spec.attrs is not None:
+            return None
+    key_types: dict[int, tuple[type, ...]] = {}
+    if not (yield from _eligible(plan.root, key_types)):
+        return None
+    signatures = []
+    deadline = clock() + SLICE_SECONDS
+    for t in source.tensors:
+        signatures.append(tensor_signature(t))
+        if clock() > deadline:
+            yield
+            deadline = clock() + SLICE_SECONDS
+    return FastPlan(plan, tuple(signatures), key_types)
+
+
+class _Matcher:
+    """Walks a state_dict alongside a plan, collecting its tensors in plan order."""
+
+    def __init__(self, fast: FastPlan, meta_only: bool) -> None:
+        self.meta_only = meta_only
+        self.signatures = fast.signatures
+        self.key_types = fast.key_types
+        self.sources: list[torch.Tensor] = []
+        self.containers: set[int] = set()
+        self.keepalive: list[object] = []  # ids stay unique only while the objects live
+        self.deadline = clock() + SLICE_SECONDS
+
+    def container(self, node: Node, x: Any) -> Steps[bool]:
+        if id(x) in self.containers:  # met twice: the planner would make a RefNode (or refuse a cycle)
+            return False
+        self.containers.add(id(x))
+        self.keepalive.append(x)
+        if type(node) is DictNode:
+            if type(x) is not dict:
+                return False
+            # One snapshot of keys and values, taken before the walk yields (issue 9).
+            keys, values = tuple(x), tuple(x.values())
+            if len(keys) != len(values) or keys != node.keys:
+                return False
+            if tuple(map(type, keys)) != self.key_types[node.memo]:
+                return False
+            return (yield from self.many(node.values, values))
+        if type(node) is SeqNode:
+            if type(x) is not node.cls:
+                return False
+            items: tuple[Any, ...] = tuple(cast(Any, x))
+            if len(items) != len(node.items):
+                return False
+            return (yield from self.many(node.items, items))
+        return False  # pragma: no cover - an eligible plan holds no other node
+
+    def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
+        signatures, sources, append = self.signatures, self.sources, self.sources.append
+        Tensor = torch.Tensor
+        try:
+            for node, v in zip(nodes, values, strict=True):
+                cls = type(node)
+                if cls is TensorNode:
+                    p = node.position  # type: ignore[union-attr]
+                    n = len(sources)
+                    if p == n:
+                        if not isinstance(v, Tensor) or v.__dict__:
+                            return False
+                        if self.meta_only:
+                            if tensor_signature(v)[_META] != signatures[p][_META]:
+                                return False
+                        elif tensor_signature(v) != signatures[p]:
+                            return False
+                        append(v)
+                    elif p > n or v is not sources[p]:  # the plan met this very tensor before
+                        return False
+                elif cls is AtomNode:
+                    if not _same_atom(node.value, v):  # type: ignore[union-attr]
+                        return False
+                elif not (yield from self.container(node, v)):
+                    return False
+                if clock() > self.deadline:
+                    yield
+                    self.deadline = clock() + SLICE_SECONDS
+        except Exception:  # a value the plan never saw (a sparse tensor has no storage, ...)
+            return False
+        return True
+
+
+def iter_match(
+    fast: FastPlan, state_dict: Any, *, meta_only: bool = False
+) -> Steps[list[torch.Tensor] | None]:
+    """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
+
+    Checks everything the plan was derived from: container types, keys (in order, with
+    their types), lengths and non-tensor values; each tensor's :func:`tensor_signature`
+    (storage, dtype, shape, stride, offset, type, ``requires_grad``, conj/neg bits); that no
+    tensor carries attributes; and that the same tensor object, and only it, appears
+    wherever the plan met one tensor twice.  The cyclic collector stays paused while it
+    runs (see :mod:`astage._slices`) and it keeps no per-tensor objects.
+
+    :param meta_only: check every tensor but not which storage it views (for a staged
+        copy, whose storages are the caller's to check).
+    """
+    matcher = _Matcher(fast, meta_only)
+    ok = yield from matcher.many((fast.plan.root,), (state_dict,))
+    sources = matcher.sources
+    if not ok or len(sources) != len(fast.signatures):
+        return None
+    # A tensor object met at two positions the plan holds apart would be one in a new plan.
+    if len(set(map(id, sources))) != len(sources):
+        return None
+    return sources

@@ -207,6 +207,8 @@ class BufferPool:
         self._leased_bytes = 0
         self._out: dict[int, Buffer] = {}
         self._out_bytes = 0
+        self._kept: dict[int, Buffer] = {}  # a released copy its stager keeps for re-use
+        self._kept_bytes = 0
         self._reserved = 0  # bytes being allocated right now
         self._allocated_ever = 0
         self._queue: collections.deque[object] = collections.deque()
@@ -218,13 +220,13 @@ class BufferPool:
     @property
     def total_bytes(self) -> int:
         """Bytes of every buffer the pool holds or is allocating."""
-        return self._free_bytes + self._leased_bytes + self._out_bytes + self._reserved
+        return self._free_bytes + self._kept_bytes + self._leased_bytes + self._out_bytes + self._reserved
 
     def stats(self) -> PoolStats:
         """A snapshot of the pool's memory."""
         return PoolStats(
             total_bytes=self.total_bytes,
-            free_bytes=self._free_bytes,
+            free_bytes=self._free_bytes + self._kept_bytes,
             leased_bytes=self._leased_bytes,
             handed_out_bytes=self._out_bytes,
             allocated_bytes_ever=self._allocated_ever,
@@ -432,9 +434,36 @@ class BufferPool:
                 self._out_bytes += buf.nbytes
         lease.buffers = []
 
-    def handed_out_storages(self) -> set[int]:
-        """Identities (``_cdata``) of the storages currently handed out to callers."""
-        return {buf.storage._cdata for buf in self._out.values()}
+    def handed_out_buffers(self) -> dict[int, Buffer]:
+        """The buffers currently handed out to callers, by their storage's ``_cdata``."""
+        return {buf.storage._cdata: buf for buf in self._out.values()}
+
+    def handed_out_storages(self, *, kept: bool = False) -> set[int]:
+        """Identities (``_cdata``) of the storages currently handed out to callers (and,
+        with ``kept``, of those kept by their stager for re-use)."""
+        out = {buf.storage._cdata for buf in self._out.values()}
+        if kept:
+            out.update(buf.storage._cdata for buf in self._kept.values())
+        return out
+
+    def keep(self, buffers: Sequence[Buffer]) -> None:
+        """Count handed-out ``buffers`` as idle: their copy was released and is kept whole
+        by its stager, to be refilled in place (``free_bytes`` in :meth:`stats`)."""
+        for buf in buffers:
+            if self._out.pop(id(buf), None) is not None:
+                self._out_bytes -= buf.nbytes
+                self._kept[id(buf)] = buf
+                self._kept_bytes += buf.nbytes
+
+    def unkeep(self, buffers: Sequence[Buffer]) -> None:
+        """Count kept ``buffers`` as handed out again (refilled, or given up by the stager:
+        then :meth:`reclaim` takes them back once nothing references them)."""
+        for buf in buffers:
+            if self._kept.pop(id(buf), None) is not None:
+                self._kept_bytes -= buf.nbytes
+                if not self._closed:
+                    self._out[id(buf)] = buf
+                    self._out_bytes += buf.nbytes
 
     def forget_loop(self) -> None:
         """Drop the wake-up event made under the previous event loop (the pool is idle)."""
@@ -456,4 +485,6 @@ class BufferPool:
         self._free_bytes = 0
         self._out.clear()
         self._out_bytes = 0
+        self._kept.clear()
+        self._kept_bytes = 0
         self._notify()
