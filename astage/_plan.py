@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import copyreg
@@ -727,9 +728,12 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
     """Everything a plan records about one tensor, as one tuple compared in C.
 
     The storage is named by its ``StorageImpl`` (``_cdata``, what the planner groups
-    storages by) together with its data pointer and byte size, so a tensor moved to another
-    storage (``set_``, ``.data =``), a storage resized, or two tensors that start or stop
-    sharing one, all change some tensor's signature.
+    storages by) with its byte size, so a tensor moved to another storage (``set_``,
+    ``.data =``), a storage resized, or two tensors that start or stop sharing one, all
+    change some tensor's signature.  Layouts the plan refuses need no field of their own:
+    sparse, mkldnn and compressed tensors have no storage and nested ones no strides, so
+    reading the signature of one raises (and the re-check fails).  About 1 us a tensor:
+    every field read costs, so nothing is read twice.
     """
     st = t.untyped_storage()
     return (
@@ -741,16 +745,27 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
         t.requires_grad,
         t.is_conj(),
         t.is_neg(),
-        t.layout,
-        t.is_nested,
         st._cdata,
-        st.data_ptr(),
         st.nbytes(),
     )
 
 
-_META = slice(0, 10)
+_META = slice(0, 8)
 """The part of a :func:`tensor_signature` that is not about which storage the tensor views."""
+
+
+def _meta_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    """``tensor_signature(t)[_META]``, without asking for the storage."""
+    return (
+        type(t),
+        t.dtype,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+        t.is_conj(),
+        t.is_neg(),
+    )
 
 
 _EQUAL_ATOMS: frozenset[type] = frozenset({int, str, bytes, type(None), torch.Size, torch.device})
@@ -793,12 +808,15 @@ def _eligible(node: Node, key_types: dict[int, tuple[type, ...]]) -> Steps[bool]
     match node:
         case AtomNode() | TensorNode():
             return True
-        case DictNode(memo, keys, values, None, ()):
+        case DictNode(memo, keys, values, proto, attrs) if (proto is None and not attrs) or type(
+            proto
+        ) is collections.OrderedDict:
+            # OrderedDict: what nn.Module.state_dict() returns, with its `_metadata` attribute.
             types_ = tuple(map(type, keys))
             if not _KEY_ATOMS.issuperset(types_):
                 return False
             key_types[memo] = types_
-            children: tuple[Node, ...] = values
+            children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
             children = items
         case _:
@@ -850,7 +868,8 @@ class _Matcher:
         self.containers.add(id(x))
         self.keepalive.append(x)
         if type(node) is DictNode:
-            if type(x) is not dict:
+            proto = node.prototype
+            if type(x) is not (dict if proto is None else type(proto)):
                 return False
             # One snapshot of keys and values, taken before the walk yields (issue 9).
             keys, values = tuple(x), tuple(x.values())
@@ -858,7 +877,14 @@ class _Matcher:
                 return False
             if tuple(map(type, keys)) != self.key_types[node.memo]:
                 return False
-            return (yield from self.many(node.values, values))
+            state = getattr(x, "__dict__", None) or {}
+            names, attr_values = tuple(state), tuple(state.values())
+            if names != tuple(name for name, _ in node.attrs):
+                return False
+            # The planner walks the items first, then the attributes: tensors keep their order.
+            if not (yield from self.many(node.values, values)):
+                return False
+            return (yield from self.many(tuple(n for _, n in node.attrs), attr_values))
         if type(node) is SeqNode:
             if type(x) is not node.cls:
                 return False
@@ -881,7 +907,7 @@ class _Matcher:
                         if not isinstance(v, Tensor) or v.__dict__:
                             return False
                         if self.meta_only:
-                            if tensor_signature(v)[_META] != signatures[p][_META]:
+                            if _meta_signature(v) != signatures[p][_META]:
                                 return False
                         elif tensor_signature(v) != signatures[p]:
                             return False

@@ -110,7 +110,7 @@ class StageStats:
 
     :ivar tensors: distinct tensors staged.
     :ivar storages: distinct storages copied (shared storages count once).
-    :ivar bytes: bytes copied.
+    :ivar bytes: bytes staged (of which ``bytes_skipped`` were not copied again).
     :ivar bytes_allocated: bytes of new buffers this stage had to allocate (0 on reuse).
     :ivar reused_buffers: buffers taken from the pool instead of allocated.
     :ivar seconds: wall time of the whole ``stage()``.
@@ -346,9 +346,11 @@ class DefaultStager:
             plan = fast.plan
         spare = self._spare
         if spare is not None and fast is not None and spare.fast is fast:
-            self._spare = None
-            self._pool.unkeep(spare.buffers)
-            return await self._refill(spare, sources, layout, started)
+            # No local may keep the copy alive past a failed refill (the pool takes its
+            # buffers back once nothing references them): _refill takes it from self.
+            del spare
+            return await self._refill(sources, layout, started)
+        del spare
         return await self._stage_new(plan, layout, sources, started)
 
     async def _stage_new(
@@ -362,6 +364,7 @@ class DefaultStager:
         except ClosedError as exc:
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
         staged_locals: list[torch.Tensor] | None = None
+        rebuilder: Rebuilder | None = None
         buffers = tuple(lease.buffers)
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
@@ -373,7 +376,7 @@ class DefaultStager:
             # leased buffers may survive in this frame and in the traceback's frames, where a
             # reference cycle would keep them until the garbage collector runs: drop them, and
             # let the pool take each buffer back as soon as nothing references it.
-            staged_locals = None
+            staged_locals = rebuilder = None
             traceback.clear_frames(exc.__traceback__)
             self._pool.hand_out(lease)
             self._pool.reclaim()
@@ -384,17 +387,21 @@ class DefaultStager:
         return staged, stats
 
     async def _refill(
-        self, spare: _Spare, sources: list[torch.Tensor], layout: CopyLayout, started: float
+        self, sources: list[torch.Tensor], layout: CopyLayout, started: float
     ) -> tuple[Any, StageStats]:
-        """Copy into a released copy of the same plan, in place, and return its tree again."""
+        """Copy into the kept copy of the same plan, in place, and return its tree again."""
+        spare: _Spare | None = self._spare
+        assert spare is not None  # checked by the caller, with no await since
+        self._spare = None
+        self._pool.unkeep(spare.serial)
         plan = spare.fast.plan
         skip = self._unchanged(spare, sources)
         try:
-            await self._copy(plan, layout, spare.tensors, sources, lambda s: spare.buffers[s].storage, skip)
+            await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip)
         except BaseException as exc:
             # The copy is half refilled: drop it (its buffers go back to the pool).
             traceback.clear_frames(exc.__traceback__)
-            del spare
+            spare = None
             self._pool.reclaim()
             raise
         self._remember(plan, spare.buffers, sources, spare.tensors)
@@ -433,7 +440,7 @@ class DefaultStager:
         spare = self._spare
         self._fast = self._layout = self._spare = self._last = None
         if spare is not None:
-            self._pool.unkeep(spare.buffers)
+            self._pool.unkeep(spare.serial)
             del spare
             self._pool.reclaim()
 
@@ -447,7 +454,13 @@ class DefaultStager:
         """Record what the copy in ``buffers`` now holds, for ``skip_unchanged``."""
         if not self._resolved.skip_unchanged or self._fast is None or self._fast.plan is not plan:
             return
-        self._last = _Filled(buffers, sources, [t._version for t in sources], [t._version for t in staged])
+        self._last = _Filled(
+            buffers,
+            sources,
+            [t._version for t in sources],
+            [t.data_ptr() for t in sources],
+            [t._version for t in staged],
+        )
 
     def _unchanged(self, spare: _Spare, sources: list[torch.Tensor]) -> set[int]:
         """Storages of ``spare`` that already hold what ``sources`` hold (``skip_unchanged``).
@@ -466,8 +479,8 @@ class DefaultStager:
         tensors = spare.fast.plan.tensors
         changed = {
             tensors[i].storage
-            for i, (t, v) in enumerate(zip(sources, last.versions, strict=True))
-            if t._version != v or v == 0
+            for i, (t, v, ptr) in enumerate(zip(sources, last.versions, last.data_ptrs, strict=True))
+            if t._version != v or v == 0 or t.data_ptr() != ptr
         }
         return set(range(len(spare.fast.plan.storages))) - changed
 
@@ -553,6 +566,14 @@ class DefaultStager:
         if self._closed:
             return
         with self._one_loop("release()"):
+            fast = self._fast
+            # A stager that keeps no buffers (BlockingStager without its cache) keeps no copy.
+            if fast is not None and self._spare is None and self._pool.retain:
+                spare = await run_steps(self._iter_spare(fast, staged))
+                if spare is not None and self._spare is None and self._fast is fast:
+                    self._spare = spare
+                    self._pool.keep(spare.serial, fast.plan.nbytes)
+                    return
             found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
             ours = self._pool.handed_out_storages(kept=True)
             for path, tensor in found:
@@ -564,14 +585,6 @@ class DefaultStager:
                         f"release() got a tensor that this {type(self).__name__} did not stage "
                         "(a source tensor, or another stager's copy); nothing was released",
                     )
-            fast = self._fast
-            # A stager that keeps no buffers (BlockingStager without its cache) keeps no copy.
-            if found and fast is not None and self._spare is None and self._pool.retain:
-                spare = await run_steps(self._iter_spare(fast, staged))
-                if spare is not None and self._spare is None and self._fast is fast:
-                    self._spare = spare
-                    self._pool.keep(spare.buffers)
-                    return
             # The kept copy's tensors are never emptied: they are the stager's now.
             ours = self._pool.handed_out_storages()
             with plain_tensor_mode():
@@ -588,28 +601,42 @@ class DefaultStager:
         if tensors is None:
             return None
         plan = fast.plan
+        if not plan.storages:
+            return None
         out = self._pool.handed_out_buffers()
-        buffers: list[Buffer | None] = [None] * len(plan.storages)
+        storages = plan.storages
+        buffers: list[Buffer | None] = [None] * len(storages)
+        serial = None
+        deadline = clock() + SLICE_SECONDS
         for spec, t in zip(plan.tensors, tensors, strict=True):
             storage = t.untyped_storage()
             buf = out.get(storage._cdata)
-            nbytes = plan.storages[spec.storage].nbytes
-            if buf is None or buf.nbytes != nbytes or storage.nbytes() != nbytes:
+            if buf is None:
                 return None
-            have = buffers[spec.storage]
+            s = spec.storage
+            have = buffers[s]
             if have is None:
-                buffers[spec.storage] = buf
+                nbytes = storages[s].nbytes
+                if buf.nbytes != nbytes or storage.nbytes() != nbytes:
+                    return None
+                if serial is None:
+                    serial = buf.copy
+                elif buf.copy != serial:  # buffers of two copies
+                    return None
+                buffers[s] = buf
             elif have is not buf:
                 return None
-        copies = {b.copy for b in buffers if b is not None}
-        if None in buffers or len(copies) != 1 or len({id(b) for b in buffers}) != len(buffers):
+            if clock() > deadline:
+                yield
+                deadline = clock() + SLICE_SECONDS
+        # One buffer per planned storage, all distinct, and every buffer of that copy here:
+        # one left out may still be in the caller's hands, and a copy not released is never
+        # overwritten.
+        if serial is None or None in buffers or len({id(b) for b in buffers}) != len(buffers):
             return None
-        # Every buffer of that copy must be here: one left out may still be in the caller's
-        # hands, and a copy not released is never overwritten.
-        (serial,) = copies
-        if sum(1 for b in out.values() if b.copy == serial) != len(buffers):
+        if self._pool.copy_buffers(serial) != len(buffers):
             return None
-        return _Spare(fast, staged, tensors, tuple(cast(list[Buffer], buffers)))
+        return _Spare(fast, staged, tensors, tuple(cast(list[Buffer], buffers)), serial)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -624,6 +651,11 @@ class _Spare:
     tree: Any
     tensors: list[torch.Tensor]
     buffers: tuple[Buffer, ...]
+    serial: int
+
+    def storage(self, s: int) -> torch.UntypedStorage:
+        """The buffer of planned storage ``s``."""
+        return self.buffers[s].storage
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -637,6 +669,7 @@ class _Filled:
     buffers: tuple[Buffer, ...]
     sources: list[torch.Tensor]
     versions: list[int]
+    data_ptrs: list[int]
     staged_versions: list[int]
 
 
