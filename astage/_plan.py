@@ -796,12 +796,16 @@ class FastPlan:
     plan: StagePlan
     signatures: tuple[tuple[Any, ...], ...]
     key_types: dict[int, tuple[type, ...]]
+    nbytes: int
+    runs: dict[int, int]
+    """Containers whose items are all tensors met there first, at consecutive positions:
+    ``id(node.values or node.items)`` -> the first position (checked in one tight loop)."""
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
 
 
-def _eligible(node: Node, key_types: dict[int, tuple[type, ...]]) -> Steps[bool]:
+def _eligible(node: Node, key_types: dict[int, tuple[type, ...]], runs: dict[int, int]) -> Steps[bool]:
     """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
     tuples, immutable atoms and plain tensors or Parameters only (anything else is planned
     anew at every stage, as before)."""
@@ -825,9 +829,14 @@ def _eligible(node: Node, key_types: dict[int, tuple[type, ...]]) -> Steps[bool]
         if (
             type(child) is not AtomNode
             and type(child) is not TensorNode
-            and not (yield from _eligible(child, key_types))
+            and not (yield from _eligible(child, key_types, runs))
         ):
             return False
+    items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
+    if items_ and all(type(c) is TensorNode for c in items_):
+        first = items_[0].position  # type: ignore[union-attr]
+        if all(c.position == first + i for i, c in enumerate(items_)):
+            runs[id(items_)] = first
     return True
 
 
@@ -838,16 +847,40 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         if spec.kind is TensorKind.DTENSOR or spec.attrs is not None:
             return None
     key_types: dict[int, tuple[type, ...]] = {}
-    if not (yield from _eligible(plan.root, key_types)):
+    runs: dict[int, int] = {}
+    if not (yield from _eligible(plan.root, key_types, runs)):
         return None
+    # The signatures are what tensor_signature() would read from the sources, built from
+    # what the plan recorded of them: no tensor is asked again.
+    cdata = [st._cdata for st in source.storages]
+    storages = plan.storages
+    cls = {TensorKind.TENSOR: torch.Tensor, TensorKind.PARAMETER: torch.nn.Parameter}
     signatures = []
     deadline = clock() + SLICE_SECONDS
-    for t in source.tensors:
-        signatures.append(tensor_signature(t))
+    for spec in plan.tensors:
+        s = spec.storage
+        signatures.append(
+            (
+                cls[spec.kind],
+                spec.dtype,
+                spec.size,
+                spec.stride,
+                spec.offset,
+                spec.requires_grad,
+                spec.conj,
+                spec.neg,
+                cdata[s],
+                storages[s].nbytes,
+            )
+        )
         if clock() > deadline:
             yield
             deadline = clock() + SLICE_SECONDS
-    return FastPlan(plan, tuple(signatures), key_types)
+    return FastPlan(plan, tuple(signatures), key_types, plan.nbytes, runs)
+
+
+_RUN_CHUNK = 256
+"""Tensors checked between two looks at the clock in :meth:`_Matcher.run`."""
 
 
 class _Matcher:
@@ -857,6 +890,7 @@ class _Matcher:
         self.meta_only = meta_only
         self.signatures = fast.signatures
         self.key_types = fast.key_types
+        self.runs = fast.runs
         self.sources: list[torch.Tensor] = []
         self.containers: set[int] = set()
         self.keepalive: list[object] = []  # ids stay unique only while the objects live
@@ -894,8 +928,58 @@ class _Matcher:
             return (yield from self.many(node.items, items))
         return False  # pragma: no cover - an eligible plan holds no other node
 
+    def run(self, first: int, values: tuple[Any, ...]) -> Steps[bool]:
+        """Check a container's items that are all new tensors: the common case, kept to the
+        cost of reading each signature (~1 us a tensor)."""
+        signatures, sources = self.signatures, self.sources
+        for start in range(0, len(values), _RUN_CHUNK):
+            chunk = values[start : start + _RUN_CHUNK]
+            expected = signatures[first + start : first + start + len(chunk)]
+            if len(chunk) != len(expected):
+                return False
+            if self.meta_only:
+                for v, sig in zip(chunk, expected, strict=True):
+                    if (
+                        type(v),
+                        v.dtype,
+                        v.shape,
+                        v.stride(),
+                        v.storage_offset(),
+                        v.requires_grad,
+                        v.is_conj(),
+                        v.is_neg(),
+                    ) != sig[_META] or v.__dict__:
+                        return False
+            else:
+                for v, sig in zip(chunk, expected, strict=True):
+                    st = v.untyped_storage()  # not a tensor: AttributeError, caught by many()
+                    if (
+                        type(v),
+                        v.dtype,
+                        v.shape,
+                        v.stride(),
+                        v.storage_offset(),
+                        v.requires_grad,
+                        v.is_conj(),
+                        v.is_neg(),
+                        st._cdata,
+                        st.nbytes(),
+                    ) != sig or v.__dict__:
+                        return False
+            sources.extend(chunk)
+            if clock() > self.deadline:
+                yield
+                self.deadline = clock() + SLICE_SECONDS
+        return True
+
     def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
         signatures, sources, append = self.signatures, self.sources, self.sources.append
+        first = self.runs.get(id(nodes))
+        if first is not None and first == len(sources) and len(values) == len(nodes):
+            try:
+                return (yield from self.run(first, values))
+            except Exception:  # a value the plan never saw
+                return False
         Tensor = torch.Tensor
         try:
             for node, v in zip(nodes, values, strict=True):

@@ -523,10 +523,11 @@ class DefaultStager:
     ) -> StageStats:
         storages = plan.storages
         skipped_tensors = sum(1 for t in plan.tensors if t.storage in skipped) if skipped else 0
+        fast = self._fast
         stats = StageStats(
             tensors=len(plan.tensors),
             storages=len(storages),
-            bytes=plan.nbytes,
+            bytes=fast.nbytes if fast is not None and fast.plan is plan else plan.nbytes,
             bytes_allocated=allocated,
             reused_buffers=reused,
             seconds=clock() - started,
@@ -572,7 +573,7 @@ class DefaultStager:
                 spare = await run_steps(self._iter_spare(fast, staged))
                 if spare is not None and self._spare is None and self._fast is fast:
                     self._spare = spare
-                    self._pool.keep(spare.serial, fast.plan.nbytes)
+                    self._pool.keep(spare.serial, fast.nbytes)
                     return
             found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
             ours = self._pool.handed_out_storages(kept=True)
