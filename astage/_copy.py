@@ -17,7 +17,6 @@ caller's compute stream, and completion is an event the caller awaits from the l
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -205,68 +204,6 @@ def run_batch(batch: Batch, non_blocking: bool = False) -> None:
             dsts[0].copy_(srcs[0], non_blocking=non_blocking)
         else:
             torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
-
-
-class StreamingCopier:
-    """A worker thread that copies batches as they are handed to it, while the caller
-    still prepares the next ones (the re-check of a plan runs on the loop meanwhile).
-
-    Every path out of a stage calls :meth:`finish` or :meth:`abort`; both return only once
-    the thread has stopped, so no thread writes into a buffer afterwards.  Batches left
-    in the queue are dropped by the thread: nothing parked pins a buffer.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="astage-copy", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        try:
-            while not self._stop.is_set():
-                batch = self._queue.get()
-                if batch is None or self._stop.is_set():
-                    break
-                run_batch(batch)
-                del batch
-        except BaseException as exc:  # handed to the loop by finish()
-            self._error = exc
-        finally:
-            while True:
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            self._done.set()
-
-    def put(self, batch: Batch) -> None:
-        """Copy ``batch`` after those handed over before."""
-        self._queue.put(batch)
-
-    async def _wait(self, limiter: anyio.CapacityLimiter | None) -> None:
-        if not self._done.is_set():
-            await anyio.to_thread.run_sync(self._done.wait, limiter=limiter, abandon_on_cancel=True)
-
-    async def finish(self, limiter: anyio.CapacityLimiter | None) -> None:
-        """Wait until every batch handed over is copied; raise what the copy raised."""
-        self._queue.put(None)
-        try:
-            await self._wait(limiter)
-        except BaseException:
-            await self.abort()
-            raise
-        if self._error is not None:
-            raise self._error
-
-    async def abort(self) -> None:
-        """Stop after the batch being copied, and wait for it (a few ms), even if cancelled."""
-        self._stop.set()
-        self._queue.put(None)
-        with anyio.CancelScope(shield=True):
-            await self._wait(None)
 
 
 async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.CapacityLimiter | None) -> None:

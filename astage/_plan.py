@@ -1012,11 +1012,7 @@ class _Matcher:
 
 
 def iter_match(
-    fast: FastPlan,
-    state_dict: Any,
-    *,
-    meta_only: bool = False,
-    into: list[torch.Tensor] | None = None,
+    fast: FastPlan, state_dict: Any, *, meta_only: bool = False
 ) -> Steps[list[torch.Tensor] | None]:
     """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
 
@@ -1029,12 +1025,8 @@ def iter_match(
 
     :param meta_only: check every tensor but not which storage it views (for a staged
         copy, whose storages are the caller's to check).
-    :param into: the list to collect the tensors in: between two slices, its first items
-        are tensors checked already (each alone; the whole only at the end).
     """
     matcher = _Matcher(fast, meta_only)
-    if into is not None:
-        matcher.sources = into
     ok = yield from matcher.many((fast.plan.root,), (state_dict,))
     sources = matcher.sources
     if not ok or len(sources) != len(fast.signatures):

@@ -49,11 +49,6 @@ def _slice(steps: Steps[T]) -> tuple[bool, T | None]:
     return False, None
 
 
-def step(steps: Steps[T]) -> tuple[bool, T | None]:
-    """Run one slice of ``steps`` (collector paused); ``(finished, value)``."""
-    return _slice(steps)
-
-
 def drive(steps: Steps[T]) -> T:
     """Run a :data:`Steps` computation to its end on the calling thread."""
     while True:

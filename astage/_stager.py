@@ -40,7 +40,6 @@ from ._compat import refuse_torch_caller
 from ._copy import (
     Batch,
     CopyLayout,
-    StreamingCopier,
     copy_in_threads,
     enqueue_device_copies,
     iter_batches,
@@ -70,7 +69,7 @@ from ._plan import (
     plain_tensor_mode,
 )
 from ._pool import Buffer, BufferKind, BufferPool, PoolStats
-from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps, step, within
+from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps, within
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
@@ -329,31 +328,30 @@ class DefaultStager:
 
     async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
         started = clock()
-        fast, layout = self._fast, self._layout
-        if fast is not None and layout is not None:
-            if self._streams(fast):
-                done = await self._refill_streaming(fast, layout, state_dict, started)
-                if done is not None:
-                    return done
-            else:
-                sources = await self._run(iter_match(fast, state_dict))
-                if sources is not None:
-                    spare = self._spare
-                    if spare is not None and spare.fast is fast:
-                        # No local may keep the copy alive past a failed refill (the pool
-                        # takes its buffers back once nothing references them).
-                        del spare
-                        return await self._refill(sources, layout, started)
-                    del spare
-                    return await self._stage_new(fast.plan, layout, sources, started)
-        # A new structure (or the first stage): plan it, and drop the copy kept for the old
-        # one, whose buffers may be needed under the memory cap.
-        self._forget_plan()
-        source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
-        layout = await self._run(iter_copy_layout(source.plan, source.tensors))
-        self._fast = await self._run(iter_fast_plan(source))
-        self._layout = layout
-        return await self._stage_new(source.plan, layout, list(source.tensors), started)
+        fast = self._fast
+        sources: list[torch.Tensor] | None = None
+        if fast is not None:
+            sources = await self._run(iter_match(fast, state_dict))
+        layout = self._layout
+        if sources is None or fast is None or layout is None:
+            # A new structure (or the first stage): plan it, and drop the copy kept for the
+            # old one, whose buffers may be needed under the memory cap.
+            self._forget_plan()
+            source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
+            layout = await self._run(iter_copy_layout(source.plan, source.tensors))
+            fast = await self._run(iter_fast_plan(source))
+            self._fast, self._layout = fast, layout
+            plan, sources = source.plan, list(source.tensors)
+        else:
+            plan = fast.plan
+        spare = self._spare
+        if spare is not None and fast is not None and spare.fast is fast:
+            # No local may keep the copy alive past a failed refill (the pool takes its
+            # buffers back once nothing references them): _refill takes it from self.
+            del spare
+            return await self._refill(sources, layout, started)
+        del spare
+        return await self._stage_new(plan, layout, sources, started)
 
     async def _stage_new(
         self, plan: StagePlan, layout: CopyLayout, sources: list[torch.Tensor], started: float
@@ -387,70 +385,6 @@ class DefaultStager:
         self._remember(plan, buffers, sources, cast(list[torch.Tensor], rebuilder.tensors))
         stats = self._record(plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started)
         return staged, stats
-
-    def _streams(self, fast: FastPlan | None) -> bool:
-        """Whether the next stage re-checks the plan and refills the kept copy at once: one
-        thread copies each batch as soon as its tensors are checked (host copies only, and
-        not with skip_unchanged, which needs every check before deciding)."""
-        layout, spare = self._layout, self._spare
-        return (
-            fast is not None
-            and spare is not None
-            and spare.fast is fast
-            and layout is not None
-            and bool(layout.host)
-            and not (layout.device or layout.device_other or layout.host_other)
-            and self._resolved.async_copy
-            and not self._resolved.skip_unchanged
-        )
-
-    async def _refill_streaming(
-        self, fast: FastPlan, layout: CopyLayout, state_dict: Any, started: float
-    ) -> tuple[Any, StageStats] | None:
-        """Re-check ``state_dict`` against ``fast`` and refill the kept copy meanwhile.
-
-        :returns: the refilled tree, or ``None`` if the structure changed (the kept copy is
-            dropped then: it was partly refilled).
-        """
-        spare: _Spare | None = self._spare
-        assert spare is not None  # checked by the caller, with no await since
-        self._spare = None
-        self._pool.unkeep(spare.serial)
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self._threads)
-        sources: list[torch.Tensor] = []
-        checks = within(plain_tensor_mode, iter_match(fast, state_dict, into=sources))
-        pending = list(layout.host)
-        ready = [max(idx) for idx in pending]
-        dst: list[torch.Tensor] | None = spare.tensors
-        copier = StreamingCopier()
-        try:
-            while True:
-                finished, matched = step(checks)
-                n = len(sources)
-                while pending and (finished or ready[0] < n):
-                    if finished and matched is None:
-                        break
-                    idx = pending.pop(0)
-                    ready.pop(0)
-                    copier.put(([dst[i] for i in idx], [sources[i] for i in idx]))  # type: ignore[index]
-                if finished:
-                    break
-                await anyio.lowlevel.checkpoint()
-            await copier.finish(self._limiter)
-        except BaseException as exc:
-            await copier.abort()
-            traceback.clear_frames(exc.__traceback__)
-            spare = dst = None
-            self._pool.reclaim()
-            raise
-        if matched is None:
-            spare = dst = None
-            self._pool.reclaim()
-            return None
-        self._remember(fast.plan, spare.buffers, sources, spare.tensors)
-        stats = self._record(fast.plan, 0, len(fast.plan.storages), 0.0, started)
-        return spare.tree, stats
 
     async def _refill(
         self, sources: list[torch.Tensor], layout: CopyLayout, started: float
