@@ -8,7 +8,11 @@ through ``_events``.  :class:`BlockingStager` is the same machinery configured l
 Invariants:
 
 * ``stage()`` returns a copy that later changes to the source never reach, and that the
-  stager never overwrites while anything references it.
+  stager never overwrites until it is released (``release()``) or no longer referenced.
+* A later stage of the same structure re-uses the plan only after re-checking, per tensor
+  and per container, everything the plan was derived from (``_plan.iter_match``), and
+  refills a released copy of it in place (the same tree comes back).  A refill that fails
+  or is cancelled drops that copy.
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
   buffer is back in the pool before it returns, and no thread or device copy still writes
   into it.  The stager stays usable.
