@@ -16,21 +16,22 @@ caller's compute stream, and completion is an event the caller awaits from the l
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import anyio
 import torch
 
-from ._plan import PlannedSource
+from ._plan import StagePlan
 from ._slices import SLICE_SECONDS, Steps, clock
 
 CHUNK_BYTES = 16 << 20
 """Largest amount copied by one worker-thread call: ~2-4 ms at memory bandwidth."""
 
-Pair = tuple[torch.Tensor, torch.Tensor]
-Batch = list[Pair]
+Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
+"""Staged tensors and their sources, copied pairwise by one ``torch._foreach_copy_``."""
 
 _BIT_COPIED: frozenset[torch.dtype] = frozenset(
     {
@@ -65,87 +66,144 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-Pairs = list[tuple[torch.Tensor, torch.Tensor, int]]
+MAX_BATCH_PAIRS = 2048
+"""Most pairs in one batch: the worker holds the GIL while torch reads a batch's tensor
+lists (~0.1 us a tensor), so this bounds how long one batch can keep the loop waiting."""
 
 
-def iter_pairs(
-    source: PlannedSource,
-    dst_storages: Sequence[torch.UntypedStorage],
-    staged_locals: Sequence[torch.Tensor],
-) -> Steps[tuple[Pairs, Pairs]]:
-    """One ``(dst, src, nbytes)`` per distinct non-empty storage, in time slices.
+def iter_covering(plan: StagePlan, sources: Sequence[torch.Tensor]) -> Steps[list[int | None]]:
+    """For each planned storage, the tensor that covers it whole (copied as itself), or ``None``.
 
-    :returns: the pairs whose source is on the CPU, and those whose source is on a device.
+    Depends only on what the plan records (``sources`` are the plan's own source tensors,
+    whose metadata the plan fixes), so it is computed once per plan.
     """
-    plan = source.plan
     cover: list[int | None] = [None] * len(plan.storages)
     deadline = clock() + SLICE_SECONDS
     for i, spec in enumerate(plan.tensors):
         s = spec.storage
         if cover[s] is None and spec.offset == 0 and not spec.conj and not spec.neg:
-            nbytes = plan.storages[s].nbytes
-            src = source.tensors[i]
+            src = sources[i]
             if (
                 spec.dtype in _BIT_COPIED
-                and src.numel() * src.element_size() == nbytes
+                and src.numel() * src.element_size() == plan.storages[s].nbytes
                 and src.is_contiguous()
             ):
                 cover[s] = i
         if clock() > deadline:
             yield
             deadline = clock() + SLICE_SECONDS
-    host: Pairs = []
-    device: Pairs = []
+    return cover
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyLayout:
+    """How a plan's storages are cut into batches, decided once per plan.
+
+    ``host``/``device`` hold batches of covering tensor indices (small storages, copied as
+    their own tensors); ``host_other``/``device_other`` the storages copied through byte
+    views or split across batches, whose views are made at each stage.
+    """
+
+    cover: tuple[int | None, ...]
+    host: tuple[tuple[int, ...], ...]
+    device: tuple[tuple[int, ...], ...]
+    host_other: tuple[int, ...]
+    device_other: tuple[int, ...]
+
+
+def iter_copy_layout(
+    plan: StagePlan, sources: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
+) -> Steps[CopyLayout]:
+    """Group the plan's storages into batches of at most ``chunk_bytes`` and :data:`MAX_BATCH_PAIRS`."""
+    cover = yield from iter_covering(plan, sources)
+    deadline = clock() + SLICE_SECONDS
+    out: dict[bool, tuple[list[tuple[int, ...]], list[int]]] = {True: ([], []), False: ([], [])}
+    current: dict[bool, tuple[list[int], list[int]]] = {True: ([], [0]), False: ([], [0])}
     for s, storage_spec in enumerate(plan.storages):
-        if storage_spec.nbytes == 0:
+        n = storage_spec.nbytes
+        if n == 0:
             continue
-        pairs = host if storage_spec.device.type == "cpu" else device
-        covering = cover[s]
-        if covering is not None:
-            pairs.append((staged_locals[covering], source.tensors[covering], storage_spec.nbytes))
-        else:
-            pairs.append((_bytes(dst_storages[s]), _bytes(source.storages[s]), storage_spec.nbytes))
+        on_host = storage_spec.device.type == "cpu"
+        batches, other = out[on_host]
+        c = cover[s]
+        if c is None or n > chunk_bytes:
+            other.append(s)
+            continue
+        idx, size = current[on_host]
+        if idx and (size[0] + n > chunk_bytes or len(idx) >= MAX_BATCH_PAIRS):
+            batches.append(tuple(idx))
+            idx.clear()
+            size[0] = 0
+        idx.append(c)
+        size[0] += n
         if clock() > deadline:
             yield
             deadline = clock() + SLICE_SECONDS
-    return host, device
+    for on_host in (True, False):
+        if current[on_host][0]:
+            out[on_host][0].append(tuple(current[on_host][0]))
+    return CopyLayout(
+        tuple(cover), tuple(out[True][0]), tuple(out[False][0]), tuple(out[True][1]), tuple(out[False][1])
+    )
 
 
 def iter_batches(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor, int]], chunk_bytes: int = CHUNK_BYTES
+    plan: StagePlan,
+    layout: CopyLayout,
+    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    dst_storage: Callable[[int], torch.UntypedStorage],
+    src_storage: Callable[[int], torch.UntypedStorage],
+    *,
+    on_host: bool,
+    skip: Collection[int] = (),
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> Steps[list[Batch]]:
-    """Group small pairs and split large ones so each batch moves at most ``chunk_bytes``."""
+    """The batches that copy every planned storage on the host (or on a device), in time slices.
+
+    ``dst[i]``/``src[i]`` are the staged and source tensor of ``plan.tensors[i]``;
+    ``*_storage(s)`` give the storages of ``plan.storages[s]`` (asked only for storages
+    copied through byte views).  Storages in ``skip`` are not copied.
+    """
     out: list[Batch] = []
-    current: Batch = []
-    current_bytes = 0
     deadline = clock() + SLICE_SECONDS
-    for dst, src, nbytes in pairs:
-        if nbytes > chunk_bytes:
-            d, s = dst.reshape(-1), src.reshape(-1)
-            step = max(1, chunk_bytes // dst.element_size())
-            out.extend([(d[i : i + step], s[i : i + step])] for i in range(0, d.numel(), step))
-        else:
-            if current_bytes + nbytes > chunk_bytes and current:
-                out.append(current)
-                current, current_bytes = [], 0
-            current.append((dst, src))
-            current_bytes += nbytes
+    tensors = plan.tensors
+    for idx in layout.host if on_host else layout.device:
+        if skip:
+            idx = tuple(i for i in idx if tensors[i].storage not in skip)
+            if not idx:
+                continue
+        out.append(([dst[i] for i in idx], [src[i] for i in idx]))
         if clock() > deadline:
             yield
             deadline = clock() + SLICE_SECONDS
-    if current:
-        out.append(current)
+    cover = layout.cover
+    for s in layout.host_other if on_host else layout.device_other:
+        if s in skip:
+            continue
+        c = cover[s]
+        d, sr = (dst[c], src[c]) if c is not None else (_bytes(dst_storage(s)), _bytes(src_storage(s)))
+        nbytes = plan.storages[s].nbytes
+        if nbytes > chunk_bytes:
+            d, sr = d.reshape(-1), sr.reshape(-1)
+            step = max(1, chunk_bytes // d.element_size())
+            out.extend(([d[i : i + step]], [sr[i : i + step]]) for i in range(0, d.numel(), step))
+        else:
+            out.append(([d], [sr]))
+        if clock() > deadline:
+            yield
+            deadline = clock() + SLICE_SECONDS
     return out
 
 
 def run_batch(batch: Batch, non_blocking: bool = False) -> None:
     """Copy one batch on the calling thread (a worker thread, or a side stream context)."""
+    dsts, srcs = batch
     with torch.no_grad():
-        if len(batch) == 1:
-            dst, src = batch[0]
-            dst.copy_(src, non_blocking=non_blocking)
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0], non_blocking=non_blocking)
         else:
-            torch._foreach_copy_([d for d, _ in batch], [s for _, s in batch], non_blocking=non_blocking)
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.CapacityLimiter | None) -> None:

@@ -73,6 +73,11 @@ class StagingOptions:
         and await their event.  ``None``: on when an accelerator is available.
     :param max_staging_bytes: cap on the bytes of staging buffers the stager may hold;
         ``stage()`` waits for room instead of allocating past it.  ``None``: no cap.
+    :param skip_unchanged: incremental staging: when a released copy is refilled, a storage
+        whose source tensors still have the version counters (``tensor._version``) they had
+        when it was last copied into that same copy is not copied again.  Writes that do
+        not bump the counter (through ``.data``, NumPy, DLPack, another process) go unseen;
+        see :doc:`concepts`.
     """
 
     use_pinned_memory: bool | None = None
@@ -80,11 +85,12 @@ class StagingOptions:
     use_async_staging: bool = True
     use_non_blocking_copy: bool | None = None
     max_staging_bytes: int | None = None
+    skip_unchanged: bool = False
 
     def __post_init__(self) -> None:
         for name in ("use_pinned_memory", "use_non_blocking_copy"):
             check_bool(f"StagingOptions.{name}", getattr(self, name), optional=True)
-        for name in ("use_shared_memory", "use_async_staging"):
+        for name in ("use_shared_memory", "use_async_staging", "skip_unchanged"):
             check_bool(f"StagingOptions.{name}", getattr(self, name))
         check_positive_int("StagingOptions.max_staging_bytes", self.max_staging_bytes, optional=True)
 
@@ -140,6 +146,7 @@ class StagingOptions:
             async_copy=self.use_async_staging,
             non_blocking=has_accel if self.use_non_blocking_copy is None else self.use_non_blocking_copy,
             max_bytes=self.max_staging_bytes,
+            skip_unchanged=self.skip_unchanged,
         )
 
 
@@ -152,6 +159,7 @@ class ResolvedOptions:
     async_copy: bool
     non_blocking: bool
     max_bytes: int | None
+    skip_unchanged: bool = False
 
 
 def _is_torch_options(value: object) -> bool:

@@ -205,8 +205,11 @@ class BufferPool:
         self._free: dict[int, list[Buffer]] = collections.defaultdict(list)
         self._free_bytes = 0
         self._leased_bytes = 0
-        self._out: dict[int, Buffer] = {}
+        self._out: dict[int, Buffer] = {}  # by the storage's _cdata
         self._out_bytes = 0
+        self._copy_buffers: collections.Counter[int] = collections.Counter()  # serial -> buffers out
+        self._kept: dict[int, int] = {}  # serial -> bytes of released copies kept by their stager
+        self._kept_bytes = 0
         self._reserved = 0  # bytes being allocated right now
         self._allocated_ever = 0
         self._queue: collections.deque[object] = collections.deque()
@@ -224,9 +227,9 @@ class BufferPool:
         """A snapshot of the pool's memory."""
         return PoolStats(
             total_bytes=self.total_bytes,
-            free_bytes=self._free_bytes,
+            free_bytes=self._free_bytes + self._kept_bytes,
             leased_bytes=self._leased_bytes,
-            handed_out_bytes=self._out_bytes,
+            handed_out_bytes=self._out_bytes - self._kept_bytes,
             allocated_bytes_ever=self._allocated_ever,
             waiters=len(self._queue),
         )
@@ -263,6 +266,9 @@ class BufferPool:
         for key in done:
             buf = self._out.pop(key)
             self._out_bytes -= buf.nbytes
+            self._copy_buffers[buf.copy] -= 1
+            if not self._copy_buffers[buf.copy]:
+                del self._copy_buffers[buf.copy]
             freed += buf.nbytes
             self._free_push(buf)
         if freed:
@@ -428,17 +434,49 @@ class BufferPool:
             self._leased_bytes -= buf.nbytes
             buf.copy = self._copies_out
             if not self._closed:
-                out[id(buf)] = buf
+                out[buf.storage._cdata] = buf
                 self._out_bytes += buf.nbytes
+        if not self._closed and lease.buffers:
+            self._copy_buffers[self._copies_out] = len(lease.buffers)
         lease.buffers = []
 
     def idle_storages(self) -> list[torch.UntypedStorage]:
         """The storages idle in the pool, free for the next request (diagnostics, tests)."""
         return [buf.storage for bucket in self._free.values() for buf in bucket]
 
-    def handed_out_storages(self) -> set[int]:
-        """Identities (``_cdata``) of the storages currently handed out to callers."""
-        return {buf.storage._cdata for buf in self._out.values()}
+    def handed_out_buffers(self) -> dict[int, Buffer]:
+        """The buffers currently handed out to callers, by their storage's ``_cdata`` (read only)."""
+        return self._out
+
+    def copy_buffers(self, serial: int) -> int:
+        """How many buffers of the copy ``serial`` (:attr:`Buffer.copy`) are handed out."""
+        return self._copy_buffers.get(serial, 0)
+
+    def handed_out_storages(self, *, kept: bool = False) -> set[int]:
+        """Identities (``_cdata``) of the storages currently handed out to callers (and,
+        with ``kept``, of those kept by their stager for re-use)."""
+        if kept or not self._kept:
+            return set(self._out)
+        return {key for key, buf in self._out.items() if buf.copy not in self._kept}
+
+    @property
+    def waiting(self) -> int:
+        """How many requests are waiting for room under the cap (or queued behind one)."""
+        return len(self._queue)
+
+    def keep(self, serial: int, nbytes: int) -> None:
+        """Count the handed-out copy ``serial`` as idle: it was released and is kept whole by
+        its stager, to be refilled in place (``free_bytes`` in :meth:`stats`); ``nbytes``
+        is the size of all its buffers."""
+        if serial in self._kept or not self._copy_buffers.get(serial):
+            return
+        self._kept[serial] = nbytes
+        self._kept_bytes += nbytes
+
+    def unkeep(self, serial: int) -> None:
+        """Count the kept copy ``serial`` as handed out again (refilled, or given up by its
+        stager: then :meth:`reclaim` takes it back once nothing references it)."""
+        self._kept_bytes -= self._kept.pop(serial, 0)
 
     def forget_loop(self) -> None:
         """Drop the wake-up event made under the previous event loop (the pool is idle)."""
@@ -460,4 +498,7 @@ class BufferPool:
         self._free_bytes = 0
         self._out.clear()
         self._out_bytes = 0
+        self._kept.clear()
+        self._kept_bytes = 0
+        self._copy_buffers.clear()
         self._notify()

@@ -8,7 +8,11 @@ through ``_events``.  :class:`BlockingStager` is the same machinery configured l
 Invariants:
 
 * ``stage()`` returns a copy that later changes to the source never reach, and that the
-  stager never overwrites while anything references it.
+  stager never overwrites until it is released (``release()``) or no longer referenced.
+* A later stage of the same structure re-uses the plan only after re-checking, per tensor
+  and per container, everything the plan was derived from (``_plan.iter_match``), and
+  refills a released copy of it in place (the same tree comes back).  A refill that fails
+  or is cancelled drops that copy.
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
   buffer is back in the pool before it returns, and no thread or device copy still writes
   into it.  The stager stays usable.
@@ -27,9 +31,9 @@ import importlib
 import logging
 import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
 
 import anyio
 import anyio.lowlevel
@@ -37,7 +41,15 @@ import anyio.to_thread
 import torch
 
 from ._compat import refuse_torch_caller
-from ._copy import Batch, copy_in_threads, enqueue_device_copies, iter_batches, iter_pairs, run_batch
+from ._copy import (
+    Batch,
+    CopyLayout,
+    copy_in_threads,
+    enqueue_device_copies,
+    iter_batches,
+    iter_copy_layout,
+    run_batch,
+)
 from ._errors import ClosedError, EventLoopError, UnsupportedInputError
 from ._events import STRATEGIES, Strategy, wait_event
 from ._options import (
@@ -49,15 +61,18 @@ from ._options import (
     coerce_options,
 )
 from ._plan import (
+    FastPlan,
     PlannedSource,
+    Rebuilder,
     StagePlan,
+    iter_fast_plan,
+    iter_match,
     iter_plan,
-    iter_rebuild,
     iter_tensor_paths,
     make_tensor,
     plain_tensor_mode,
 )
-from ._pool import BufferKind, BufferPool, Lease, PoolStats
+from ._pool import Buffer, BufferKind, BufferPool, PoolStats
 from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps, within
 
 if TYPE_CHECKING:
@@ -99,11 +114,14 @@ class StageStats:
 
     :ivar tensors: distinct tensors staged.
     :ivar storages: distinct storages copied (shared storages count once).
-    :ivar bytes: bytes copied.
+    :ivar bytes: bytes staged (of which ``bytes_skipped`` were not copied again).
     :ivar bytes_allocated: bytes of new buffers this stage had to allocate (0 on reuse).
     :ivar reused_buffers: buffers taken from the pool instead of allocated.
     :ivar seconds: wall time of the whole ``stage()``.
     :ivar wait_seconds: part of ``seconds`` spent waiting for room under the memory cap.
+    :ivar bytes_skipped: part of ``bytes`` not copied because it was unchanged since the
+        last stage (``StagingOptions(skip_unchanged=True)``).
+    :ivar tensors_skipped: tensors whose storage was not copied again, likewise.
     """
 
     tensors: int
@@ -113,6 +131,8 @@ class StageStats:
     reused_buffers: int
     seconds: float
     wait_seconds: float
+    bytes_skipped: int = 0
+    tensors_skipped: int = 0
 
     @property
     def gbps(self) -> float:
@@ -126,7 +146,8 @@ class StageStats:
             f"StageStats({self.gbps:.2f} GB/s, tensors={self.tensors}, storages={self.storages}, "
             f"bytes={self.bytes:,}, bytes_allocated={self.bytes_allocated:,}, "
             f"reused_buffers={self.reused_buffers}, seconds={self.seconds:.4f}, "
-            f"wait_seconds={self.wait_seconds:.4f})"
+            f"wait_seconds={self.wait_seconds:.4f}, bytes_skipped={self.bytes_skipped:,}, "
+            f"tensors_skipped={self.tensors_skipped})"
         )
 
 
@@ -190,6 +211,13 @@ class DefaultStager:
         self._loop_lock = threading.Lock()
         self._loop: object = None
         self._loop_users = 0
+        # The fast path (issue 11): the last plan in a form a later stage can check, how its
+        # storages are batched, a released copy kept to be refilled in place, and (with
+        # skip_unchanged) what the last stage copied.
+        self._fast: FastPlan | None = None
+        self._layout: CopyLayout | None = None
+        self._spare: _Spare | None = None
+        self._last: _Filled | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -223,6 +251,7 @@ class DefaultStager:
             return
         with self._one_loop("aclose()"):
             self._closed = True
+            self._forget_plan()
             # Closing the pool first wakes every waiter; waiting for in-flight stages first
             # hung forever when one waited for room that only its caller could free (issue 9).
             await self._pool.aclose()
@@ -303,8 +332,35 @@ class DefaultStager:
 
     async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
         started = clock()
-        source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
-        plan = source.plan
+        fast = self._fast
+        sources: list[torch.Tensor] | None = None
+        if fast is not None:
+            sources = await self._run(iter_match(fast, state_dict))
+        layout = self._layout
+        if sources is None or fast is None or layout is None:
+            # A new structure (or the first stage): plan it, and drop the copy kept for the
+            # old one, whose buffers may be needed under the memory cap.
+            self._forget_plan()
+            source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
+            layout = await self._run(iter_copy_layout(source.plan, source.tensors))
+            fast = await self._run(iter_fast_plan(source))
+            self._fast, self._layout = fast, layout
+            plan, sources = source.plan, list(source.tensors)
+        else:
+            plan = fast.plan
+        spare = self._spare
+        if spare is not None and fast is not None and spare.fast is fast:
+            # No local may keep the copy alive past a failed refill (the pool takes its
+            # buffers back once nothing references them): _refill takes it from self.
+            del spare
+            return await self._refill(sources, layout, started)
+        del spare
+        return await self._stage_new(plan, layout, sources, started)
+
+    async def _stage_new(
+        self, plan: StagePlan, layout: CopyLayout, sources: list[torch.Tensor], started: float
+    ) -> tuple[Any, StageStats]:
+        """Stage into newly leased buffers and build a new tree over them."""
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
         try:
@@ -312,27 +368,125 @@ class DefaultStager:
         except ClosedError as exc:
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
         staged_locals: list[torch.Tensor] | None = None
-        host = device = None
+        rebuilder: Rebuilder | None = None
+        buffers = tuple(lease.buffers)
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
-            host, device = await self._run(iter_pairs(source, lease.storages, staged_locals))
-            if device:
-                await self._copy_from_device(await self._run(iter_batches(device)))
-            if host:
-                await self._copy_from_host(await self._run(iter_batches(host)))
-            staged = await self._run(iter_rebuild(plan, staged_locals.__getitem__))
+            await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
+            rebuilder = Rebuilder(plan, staged_locals.__getitem__)
+            staged = await self._run(rebuilder.node(plan.root))
         except BaseException as exc:
             # No copy is in flight any more (the copy paths wait for theirs).  Tensors over the
             # leased buffers may survive in this frame and in the traceback's frames, where a
             # reference cycle would keep them until the garbage collector runs: drop them, and
             # let the pool take each buffer back as soon as nothing references it.
-            staged_locals = host = device = None
+            staged_locals = rebuilder = None
             traceback.clear_frames(exc.__traceback__)
             self._pool.hand_out(lease)
             self._pool.reclaim()
             raise
         self._pool.hand_out(lease)
-        return staged, self._record(plan, lease, clock() - started)
+        self._remember(plan, buffers, sources, cast(list[torch.Tensor], rebuilder.tensors))
+        stats = self._record(plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started)
+        return staged, stats
+
+    async def _refill(
+        self, sources: list[torch.Tensor], layout: CopyLayout, started: float
+    ) -> tuple[Any, StageStats]:
+        """Copy into the kept copy of the same plan, in place, and return its tree again."""
+        spare: _Spare | None = self._spare
+        assert spare is not None  # checked by the caller, with no await since
+        self._spare = None
+        self._pool.unkeep(spare.serial)
+        plan = spare.fast.plan
+        skip = self._unchanged(spare, sources)
+        try:
+            await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip)
+        except BaseException as exc:
+            # The copy is half refilled: drop it (its buffers go back to the pool).
+            traceback.clear_frames(exc.__traceback__)
+            spare = None
+            self._pool.reclaim()
+            raise
+        self._remember(plan, spare.buffers, sources, spare.tensors)
+        stats = self._record(plan, 0, len(plan.storages), 0.0, started, skip)
+        return spare.tree, stats
+
+    async def _copy(
+        self,
+        plan: StagePlan,
+        layout: CopyLayout,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        dst_storage: Callable[[int], torch.UntypedStorage],
+        skip: Collection[int] = (),
+    ) -> None:
+        first: dict[int, int] = {}
+
+        def src_storage(s: int) -> torch.UntypedStorage:
+            # Asked only for storages copied through byte views: usually none.
+            if not first:
+                for i, spec in enumerate(plan.tensors):
+                    first.setdefault(spec.storage, i)
+            return src[first[s]].untyped_storage()
+
+        if layout.device or layout.device_other:
+            batches = iter_batches(plan, layout, dst, src, dst_storage, src_storage, on_host=False, skip=skip)
+            await self._copy_from_device(await self._run(batches))
+        if layout.host or layout.host_other:
+            batches = iter_batches(plan, layout, dst, src, dst_storage, src_storage, on_host=True, skip=skip)
+            await self._copy_from_host(await self._run(batches))
+
+    # -- re-use ---------------------------------------------------------------------------
+
+    def _forget_plan(self) -> None:
+        """Drop the cached plan, the copy kept for re-use and the record of the last stage."""
+        spare = self._spare
+        self._fast = self._layout = self._spare = self._last = None
+        if spare is not None:
+            self._pool.unkeep(spare.serial)
+            del spare
+            self._pool.reclaim()
+
+    def _remember(
+        self,
+        plan: StagePlan,
+        buffers: tuple[Buffer, ...],
+        sources: list[torch.Tensor],
+        staged: list[torch.Tensor],
+    ) -> None:
+        """Record what the copy in ``buffers`` now holds, for ``skip_unchanged``."""
+        if not self._resolved.skip_unchanged or self._fast is None or self._fast.plan is not plan:
+            return
+        self._last = _Filled(
+            buffers,
+            sources,
+            [t._version for t in sources],
+            [t.data_ptr() for t in sources],
+            [t._version for t in staged],
+        )
+
+    def _unchanged(self, spare: _Spare, sources: list[torch.Tensor]) -> set[int]:
+        """Storages of ``spare`` that already hold what ``sources`` hold (``skip_unchanged``).
+
+        Only for the copy the last stage filled, when none of its tensors was written since
+        (their version counters), and only storages whose every source tensor kept its
+        version counter value.  A counter at 0 is never trusted: a new counter starts there
+        (``.data``, ``torch.from_numpy``), so equal values would prove nothing.
+        """
+        last = self._last
+        self._last = None
+        if last is None or last.buffers != spare.buffers:
+            return set()
+        if [t._version for t in spare.tensors] != last.staged_versions:
+            return set()
+        tensors = spare.fast.plan.tensors
+        changed = {
+            tensors[i].storage
+            for i, (t, v, ptr) in enumerate(zip(sources, last.versions, last.data_ptrs, strict=True))
+            if t._version != v or v == 0 or t.data_ptr() != ptr
+        }
+        return set(range(len(spare.fast.plan.storages))) - changed
 
     async def _copy_from_host(self, plan_batches: Sequence[Batch]) -> None:
         if self._resolved.async_copy:
@@ -362,15 +516,28 @@ class DefaultStager:
                 await wait_event(side.record_event(), strategy=self._event_strategy)
             raise
 
-    def _record(self, plan: StagePlan, lease: Lease, seconds: float) -> StageStats:
+    def _record(
+        self,
+        plan: StagePlan,
+        allocated: int,
+        reused: int,
+        waited: float,
+        started: float,
+        skipped: Collection[int] = (),
+    ) -> StageStats:
+        storages = plan.storages
+        skipped_tensors = sum(1 for t in plan.tensors if t.storage in skipped) if skipped else 0
+        fast = self._fast
         stats = StageStats(
             tensors=len(plan.tensors),
-            storages=len(plan.storages),
-            bytes=plan.nbytes,
-            bytes_allocated=lease.allocated_bytes,
-            reused_buffers=lease.reused_buffers,
-            seconds=seconds,
-            wait_seconds=lease.wait_seconds,
+            storages=len(storages),
+            bytes=fast.nbytes if fast is not None and fast.plan is plan else plan.nbytes,
+            bytes_allocated=allocated,
+            reused_buffers=reused,
+            seconds=clock() - started,
+            wait_seconds=waited,
+            bytes_skipped=sum(storages[s].nbytes for s in skipped),
+            tensors_skipped=skipped_tensors,
         )
         self.last_stats = stats
         log.debug(
@@ -387,13 +554,15 @@ class DefaultStager:
     # -- releasing ------------------------------------------------------------------------
 
     async def release(self, staged: Any) -> None:
-        """Give a staged copy's buffers back for reuse.
+        """Hand a staged copy back to the stager, for re-use.
 
-        The copy's tensors are emptied (``set_()``), so a stale reference can never observe
-        a later checkpoint.  Buffers also come back on their own once every reference to the
-        copy is dropped; this only makes it immediate.  Releasing the same copy again does
-        nothing (its tensors are empty); on a closed stager this does nothing either, as
-        closing let go of every buffer.
+        A copy of the structure the stager staged last is kept whole, and the next stage of
+        that structure refills it in place and returns the same tree (nothing is allocated
+        or rebuilt); a reference to it kept past this call sees that later checkpoint.  Any
+        other copy's tensors are emptied (``set_()``) and its buffers go back to the pool.
+        A copy that is not released is never overwritten; its buffers come back on their own
+        once every reference to it is dropped.  Releasing a copy again does nothing; on a
+        closed stager this does nothing either, as closing let go of every buffer.
 
         :raises UnsupportedInputError: ``staged`` holds a tensor with data that this stager
             did not stage (names its key path); nothing is released then.
@@ -402,8 +571,18 @@ class DefaultStager:
         if self._closed:
             return
         with self._one_loop("release()"):
+            fast = self._fast
+            # A stager that keeps no buffers (BlockingStager without its cache) keeps no copy,
+            # nor does one whose pool has stages waiting for room: they need these buffers
+            # (kept, the copy would hold its bytes under the cap from them for ever).
+            if fast is not None and self._spare is None and self._pool.retain and not self._pool.waiting:
+                spare = await run_steps(self._iter_spare(fast, staged))
+                if spare is not None and self._spare is None and self._fast is fast:
+                    self._spare = spare
+                    self._pool.keep(spare.serial, fast.nbytes)
+                    return
             found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
-            ours = self._pool.handed_out_storages()
+            ours = self._pool.handed_out_storages(kept=True)
             for path, tensor in found:
                 # An empty storage is a tensor released before (or one with no data at all).
                 # (No local names the storage: it would keep the buffer from coming back.)
@@ -413,12 +592,92 @@ class DefaultStager:
                         f"release() got a tensor that this {type(self).__name__} did not stage "
                         "(a source tensor, or another stager's copy); nothing was released",
                     )
+            # The kept copy's tensors are never emptied: they are the stager's now.
+            ours = self._pool.handed_out_storages()
             with plain_tensor_mode():
                 for _, tensor in found:
                     if tensor.untyped_storage()._cdata in ours:
                         tensor.set_()  # type: ignore[call-overload]
             del found
             self._pool.reclaim()
+
+    def _iter_spare(self, fast: FastPlan, staged: Any) -> Steps[_Spare | None]:
+        """``staged`` as a copy to refill, if it is one whole copy of ``fast``'s plan as it
+        was handed out: same tree, tensors, metadata, over all of one copy's buffers."""
+        tensors = yield from iter_match(fast, staged, meta_only=True)
+        if tensors is None:
+            return None
+        plan = fast.plan
+        if not plan.storages:
+            return None
+        out = self._pool.handed_out_buffers()
+        storages = plan.storages
+        buffers: list[Buffer | None] = [None] * len(storages)
+        serial = None
+        deadline = clock() + SLICE_SECONDS
+        for spec, t in zip(plan.tensors, tensors, strict=True):
+            storage = t.untyped_storage()
+            buf = out.get(storage._cdata)
+            if buf is None:
+                return None
+            s = spec.storage
+            have = buffers[s]
+            if have is None:
+                nbytes = storages[s].nbytes
+                if buf.nbytes != nbytes or storage.nbytes() != nbytes:
+                    return None
+                if serial is None:
+                    serial = buf.copy
+                elif buf.copy != serial:  # buffers of two copies
+                    return None
+                buffers[s] = buf
+            elif have is not buf:
+                return None
+            if clock() > deadline:
+                yield
+                deadline = clock() + SLICE_SECONDS
+        # One buffer per planned storage, all distinct, and every buffer of that copy here:
+        # one left out may still be in the caller's hands, and a copy not released is never
+        # overwritten.
+        if serial is None or None in buffers or len({id(b) for b in buffers}) != len(buffers):
+            return None
+        if self._pool.copy_buffers(serial) != len(buffers):
+            return None
+        return _Spare(fast, staged, tensors, tuple(cast(list[Buffer], buffers)), serial)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Spare:
+    """A released copy kept whole to be refilled by the next stage of its plan.
+
+    ``tensors`` are the tree's tensors in plan order (the copy targets), ``buffers`` its
+    pool buffers in plan storage order.  While kept, they hold the buffers out of the pool.
+    """
+
+    fast: FastPlan
+    tree: Any
+    tensors: list[torch.Tensor]
+    buffers: tuple[Buffer, ...]
+    serial: int
+
+    def storage(self, s: int) -> torch.UntypedStorage:
+        """The buffer of planned storage ``s``."""
+        return self.buffers[s].storage
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Filled:
+    """What the last stage copied into ``buffers`` (``skip_unchanged``).
+
+    ``sources`` are kept alive so that their storages cannot be freed and their
+    addresses reused by others that would then look unchanged.
+    """
+
+    buffers: tuple[Buffer, ...]
+    sources: list[torch.Tensor]
+    versions: list[int]
+    data_ptrs: list[int]
+    staged_versions: list[int]
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:

@@ -698,6 +698,8 @@ async def test_release_refuses_what_this_stager_never_staged() -> None:
         await stager.release(staged)
         assert stager.pool_stats().handed_out_bytes == 0, "every buffer is back at once"
         await stager.release(staged)  # a second release of the same copy is a no-op
-        assert staged["a"].numel() == 0
+        # The released copy is kept whole for the next stage to refill (issue 11), not emptied.
+        assert torch.equal(staged["a"], torch.ones(3))
+        assert await stager.stage(source) is staged
     await stager.release(foreign)  # closed: buffers were let go already, nothing to do
     assert issubclass(EventLoopError, AstageError)

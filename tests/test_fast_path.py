@@ -1,0 +1,397 @@
+"""The staging fast path (issue 11): a re-checked plan, released copies refilled in place,
+``skip_unchanged``.
+
+Every change a later state_dict may bring must be seen: the re-check never trusts object
+identity, and a copy is only refilled when it was released whole.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from astage import DefaultStager, StagingOptions, UnsupportedInputError
+from tests.helpers import run_cancelled_at
+from tests.statedicts import assert_same_tree, bytes_equal, storage_key, tensors_of
+
+pytestmark = pytest.mark.anyio
+
+
+def model_like() -> dict[str, Any]:
+    """A small state_dict of the shapes the fast path serves: nested dicts, a list, atoms, a
+    tied pair and a view sharing a storage."""
+    base = torch.arange(24.0).reshape(4, 6)
+    tied = torch.randn(5)
+    return {
+        "model": {"w": base, "w_row": base[1], "b": torch.randn(6), "emb": tied, "head": tied},
+        "optim": {
+            "state": {0: {"exp_avg": torch.randn(4, 6), "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1], "name": "g"}],
+        },
+        "extra": [torch.ones(3), 7, None, "tag", -0.0],
+    }
+
+
+def aliasing(tree: Any) -> list[int]:
+    """Which tensors share a storage, as a partition by first occurrence (walk order)."""
+    seen: dict[int, int] = {}
+    return [seen.setdefault(storage_key(t), len(seen)) for t in tensors_of(tree)]
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+def assert_faithful(staged: Any, source: Any) -> None:
+    """The staged tree is a faithful copy: structure, values, metadata, storages byte for byte."""
+    plain = [t for t in tensors_of(source) if not (t.is_conj() or t.is_neg())]
+    if len(plain) == len(tensors_of(source)):
+        assert_same_tree(staged, source)
+    assert aliasing(staged) == aliasing(source)
+    for s, t in zip(tensors_of(staged), tensors_of(source), strict=True):
+        assert type(s) is type(t)
+        assert (s.dtype, s.shape, s.stride(), s.storage_offset()) == (
+            t.dtype,
+            t.shape,
+            t.stride(),
+            t.storage_offset(),
+        )
+        assert (s.requires_grad, s.is_conj(), s.is_neg()) == (t.requires_grad, t.is_conj(), t.is_neg())
+        assert torch.equal(storage_bytes(s), storage_bytes(t))
+        assert storage_key(s) != storage_key(t)
+
+
+# -- refilling a released copy ------------------------------------------------------------------
+
+
+async def test_a_released_copy_is_refilled_in_place_and_the_same_tree_returned() -> None:
+    sd = model_like()
+    async with DefaultStager() as stager:
+        first = await stager.stage(sd)
+        tensors = tensors_of(first)
+        await stager.release(first)
+        assert stager.pool_stats().handed_out_bytes == 0, "a kept copy counts as idle"
+        with torch.no_grad():
+            sd["model"]["w"].add_(1)
+        second = await stager.stage(sd)
+        assert second is first
+        assert all(a is b for a, b in zip(tensors_of(second), tensors, strict=True)), "no view rebuilt"
+        assert stager.last_stats is not None
+        assert stager.last_stats.bytes_allocated == 0
+        assert stager.last_stats.reused_buffers == stager.last_stats.storages
+        assert_faithful(second, sd)
+
+
+async def test_a_copy_not_released_is_never_overwritten() -> None:
+    sd = model_like()
+    async with DefaultStager() as stager:
+        first = await stager.stage(sd)
+        kept = [t.clone() for t in tensors_of(first)]
+        second = await stager.stage(sd)
+        await stager.release(second)
+        with torch.no_grad():
+            sd["model"]["w"].fill_(-5)
+        third = await stager.stage(sd)
+        assert third is second
+        assert third is not first
+        assert all(bytes_equal(a, b) for a, b in zip(tensors_of(first), kept, strict=True))
+        assert_faithful(third, sd)
+
+
+async def test_a_tree_mixing_two_copies_is_not_kept() -> None:
+    sd = {"a": torch.ones(3), "b": torch.zeros(3)}
+    async with DefaultStager() as stager:
+        one = await stager.stage(sd)
+        two = await stager.stage(sd)
+        await stager.release({"a": one["a"], "b": two["b"]})
+        with torch.no_grad():
+            sd["a"].fill_(9)
+        three = await stager.stage(sd)
+        assert three is not one
+        assert three is not two
+        assert torch.equal(two["a"], torch.ones(3)), "two was not released: never written"
+        assert_faithful(three, sd)
+
+
+async def test_a_released_copy_changed_by_its_holder_is_not_refilled() -> None:
+    sd = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        staged["b"] = staged["b"].t()  # the holder changed the tree: it is no copy of the plan
+        await stager.release(staged)
+        again = await stager.stage(sd)
+        assert again is not staged
+        assert_faithful(again, sd)
+
+
+async def test_aclose_drops_the_kept_copy() -> None:
+    sd = {"a": torch.randn(1000)}
+    stager = DefaultStager()
+    staged = await stager.stage(sd)
+    await stager.release(staged)
+    assert stager.pool_stats().free_bytes == 4000
+    await stager.aclose()
+    assert stager.pool_stats().total_bytes == 0
+    assert stager._spare is None
+
+
+async def test_a_refused_stage_drops_the_kept_copy_and_the_next_stage_is_faithful() -> None:
+    sd = model_like()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        del staged
+        with pytest.raises(UnsupportedInputError):
+            await stager.stage({"x": torch.randn(3).to_sparse()})
+        assert stager._spare is None
+        assert stager.pool_stats().handed_out_bytes == 0, "the dropped copy went back to the pool"
+        again = await stager.stage(sd)
+        assert stager.last_stats is not None
+        assert stager.last_stats.bytes_allocated == 0
+        assert_faithful(again, sd)
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["full", "skip_unchanged"])
+@pytest.mark.parametrize("step", [0, 1, 2, 3, 5, 8, 13])
+async def test_a_cancelled_refill_leaves_the_kept_copy_intact_or_drops_it(step: int, skip: bool) -> None:
+    sd = {f"k{i}": torch.empty(64).fill_(i) for i in range(200)}
+    async with DefaultStager(StagingOptions(skip_unchanged=skip)) as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        before = [t.clone() for t in tensors_of(staged)]
+        with torch.no_grad():
+            for t in list(sd.values())[::2]:
+                t.add_(1)
+        outcome = await run_cancelled_at(step, lambda: stager.stage(sd))
+        if not outcome.cancelled:
+            assert outcome.value is staged
+            assert_faithful(outcome.value, sd)
+            return
+        if stager._spare is not None:  # cancelled before the refill began: untouched
+            assert all(bytes_equal(a, b) for a, b in zip(tensors_of(staged), before, strict=True))
+        again = await stager.stage(sd)
+        assert_faithful(again, sd)
+
+
+# -- every change between stages is seen ---------------------------------------------------------
+
+
+def _set_to_other_storage(sd: dict[str, Any]) -> None:
+    sd["model"]["b"].set_(torch.randn(6).untyped_storage())
+
+
+def _share_a_storage(sd: dict[str, Any]) -> None:
+    # "b" now views the storage of "exp_avg": two storages become one.
+    avg = sd["optim"]["state"][0]["exp_avg"]
+    sd["model"]["b"] = torch.empty(0).set_(avg.untyped_storage(), 6, (6,), (1,))
+
+
+def _unshare(sd: dict[str, Any]) -> None:
+    sd["model"]["w_row"] = sd["model"]["w"][1].clone()
+
+
+def _untie(sd: dict[str, Any]) -> None:
+    sd["model"]["head"] = sd["model"]["emb"].detach()  # same storage, another tensor object
+
+
+def _tie(sd: dict[str, Any]) -> None:
+    sd["model"]["b"] = sd["optim"]["state"][0]["step"]
+
+
+def _resize_storage(sd: dict[str, Any]) -> None:
+    sd["extra"][0].untyped_storage().resize_(64)
+
+
+def _share_a_dict(sd: dict[str, Any]) -> None:
+    sd["optim"]["state"][1] = sd["optim"]["state"][0]
+
+
+def _set_item(path: tuple[Any, ...], value: Callable[[Any], Any]) -> Callable[[dict[str, Any]], None]:
+    def change(sd: dict[str, Any]) -> None:
+        node = sd
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value(node[path[-1]])
+
+    return change
+
+
+CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "reshape": _set_item(("model", "b"), lambda t: t.view(2, 3)),
+    "view of another offset": _set_item(("model", "w_row"), lambda t: t.as_strided((6,), (1,), 12)),
+    "set_ to another storage": _set_to_other_storage,
+    "dtype": _set_item(("model", "b"), lambda t: t.double()),
+    "same-size dtype view": _set_item(("model", "b"), lambda t: t.view(torch.int32)),
+    "new key": lambda sd: sd["model"].update(new=torch.zeros(2)),
+    "removed key": lambda sd: sd["model"].pop("b"),
+    "storage becomes shared": _share_a_storage,
+    "storage stops being shared": _unshare,
+    "tied tensors untied": _untie,
+    "tensors become tied": _tie,
+    "non-contiguous": _set_item(("optim", "state", 0, "exp_avg"), lambda t: t.t()),
+    "requires_grad": _set_item(("model", "b"), lambda t: t.requires_grad_(True)),
+    "tensor to Parameter": _set_item(("model", "b"), lambda t: torch.nn.Parameter(t)),
+    "int leaf": _set_item(("extra", 1), lambda v: v + 1),
+    "float leaf": _set_item(("optim", "param_groups", 0, "lr"), lambda v: v / 2),
+    "negative zero": _set_item(("extra", 4), lambda _: 0.0),
+    "str leaf": _set_item(("optim", "param_groups", 0, "name"), lambda _: "h"),
+    "None to tensor": _set_item(("extra", 2), lambda _: torch.ones(1)),
+    "tuple item": _set_item(("optim", "param_groups", 0, "betas"), lambda b: (b[0], 0.99)),
+    "key order": lambda sd: sd.update(model=dict(reversed(list(sd["model"].items())))),
+    "key type": lambda sd: sd["optim"]["state"].update({"0": sd["optim"]["state"].pop(0)}),
+    "list length": lambda sd: sd["extra"].append(1),
+    "list to tuple": lambda sd: sd.update(extra=tuple(sd["extra"])),
+    "dict subclass": lambda sd: sd.update(model=type("D", (dict,), {})(sd["model"])),
+    "storage resized": _resize_storage,
+    "tensor attribute": lambda sd: setattr(sd["model"]["b"], "note", 1),
+    "a dict met twice": _share_a_dict,
+    "conj bit": _set_item(("extra", 0), lambda t: torch.complex(t, t).conj()),
+    "neg bit": _set_item(("model", "b"), lambda t: torch._neg_view(t)),
+}
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["released", "held"])
+@pytest.mark.parametrize("name", list(CHANGES))
+async def test_every_change_between_stages_is_staged_faithfully(name: str, released: bool) -> None:
+    sd = model_like()
+    async with DefaultStager() as stager:
+        first = await stager.stage(sd)
+        if released:
+            await stager.release(first)
+        else:
+            snapshot = [t.clone() for t in tensors_of(first)]
+        CHANGES[name](sd)
+        second = await stager.stage(sd)
+        assert_faithful(second, sd)
+        if not released:
+            assert all(bytes_equal(a, b) for a, b in zip(tensors_of(first), snapshot, strict=True))
+        # And the stage after the change re-uses what the change led to.
+        await stager.release(second)
+        third = await stager.stage(sd)
+        assert_faithful(third, sd)
+
+
+async def test_a_new_state_dict_object_of_the_same_model_reuses_the_copy() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    async with DefaultStager() as stager:
+        first = await stager.stage(model.state_dict())
+        await stager.release(first)
+        with torch.no_grad():
+            model[0].weight.add_(1)
+        sd = model.state_dict()  # a new OrderedDict, new tensor objects, same storages
+        second = await stager.stage(sd)
+        assert second is first
+        assert_faithful(second, sd)
+        assert second._metadata == sd._metadata  # type: ignore[attr-defined]
+
+
+async def test_a_steady_stage_leaves_no_objects_per_tensor_for_the_collector() -> None:
+    sd = {f"l{i}": {f"w{j}": torch.randn(8) for j in range(4)} for i in range(500)}
+    async with DefaultStager() as stager:
+        for _ in range(2):
+            await stager.release(await stager.stage(sd))
+        gc.collect()
+        before = len(gc.get_objects())
+        await stager.release(await stager.stage(sd))
+        gc.collect()
+        assert len(gc.get_objects()) - before < 100  # 2,000 tensors
+
+
+# -- skip_unchanged -------------------------------------------------------------------------------
+
+
+def lora_like() -> dict[str, Any]:
+    frozen = {f"base{i}": torch.empty(256).fill_(i) for i in range(8)}  # fill_ bumps _version
+    trainable = {f"lora{i}": torch.empty(4).fill_(i) for i in range(2)}
+    return {"frozen": frozen, "trainable": trainable}
+
+
+async def test_skip_unchanged_copies_only_what_changed() -> None:
+    sd = lora_like()
+    async with DefaultStager(StagingOptions(skip_unchanged=True)) as stager:
+        staged = await stager.stage(sd)
+        assert stager.last_stats is not None
+        assert stager.last_stats.bytes_skipped == 0
+        await stager.release(staged)
+        with torch.no_grad():
+            sd["trainable"]["lora0"].add_(1)
+        again = await stager.stage(sd)
+        assert again is staged
+        stats = stager.last_stats
+        assert (stats.tensors_skipped, stats.bytes_skipped) == (9, 8 * 1024 + 16)
+        assert_faithful(again, sd)
+
+
+async def test_skip_unchanged_needs_the_copy_to_be_released_and_intact() -> None:
+    sd = lora_like()
+    async with DefaultStager(StagingOptions(skip_unchanged=True)) as stager:
+        first = await stager.stage(sd)
+        second = await stager.stage(sd)  # first not released: a new copy, all copied
+        assert stager.last_stats is not None
+        assert stager.last_stats.bytes_skipped == 0
+        await stager.release(first)  # kept
+        await stager.release(second)  # emptied: one copy is kept
+        third = await stager.stage(sd)  # refills `first`, which the last stage did not fill
+        assert third is first
+        assert stager.last_stats.bytes_skipped == 0
+        third["frozen"]["base3"].fill_(-1)  # the holder wrote into its copy (bumps its version)
+        await stager.release(third)
+        fourth = await stager.stage(sd)
+        assert fourth is third
+        assert stager.last_stats.bytes_skipped == 0
+        assert_faithful(fourth, sd)
+
+
+async def test_skip_unchanged_sees_a_tensor_replaced_or_its_storage_swapped() -> None:
+    sd = lora_like()
+    async with DefaultStager(StagingOptions(skip_unchanged=True)) as stager:
+        await stager.release(await stager.stage(sd))
+        sd["frozen"]["base0"] = torch.empty(256).fill_(42)  # a new storage: re-planned
+        staged = await stager.stage(sd)
+        assert_faithful(staged, sd)
+        await stager.release(staged)
+        again = await stager.stage(sd)
+        assert again is staged
+        assert again["frozen"]["base0"][0].item() == 42
+
+
+async def test_skip_unchanged_never_trusts_a_new_version_counter() -> None:
+    base = lora_like()
+    async with DefaultStager(StagingOptions(skip_unchanged=True)) as stager:
+        for value in (1.0, 2.0):
+            for t in base["frozen"].values():
+                t.data.fill_(value)  # .data: bumps no counter the source shares
+            # `.data` aliases carry new counters, at 0: never taken as "unchanged".
+            sd = {"frozen": {k: t.data for k, t in base["frozen"].items()}}
+            staged = await stager.stage(sd)
+            assert stager.last_stats is not None
+            assert stager.last_stats.bytes_skipped == 0
+            assert staged["frozen"]["base0"][0].item() == value
+            await stager.release(staged)
+
+
+async def test_skip_unchanged_caveat_writes_through_data_are_not_seen() -> None:
+    """The documented caveat (docs/concepts.md): a write through ``.data`` bumps no version
+    counter, so an unchanged-looking storage keeps its previous staged bytes."""
+    sd = lora_like()
+    async with DefaultStager(StagingOptions(skip_unchanged=True)) as stager:
+        await stager.release(await stager.stage(sd))
+        sd["frozen"]["base1"].data.fill_(100)
+        staged = await stager.stage(sd)
+        assert staged["frozen"]["base1"][0].item() == 1.0  # stale, as documented
+    async with DefaultStager() as plain:  # without the option every byte is copied
+        await plain.release(await plain.stage(sd))
+        assert (await plain.stage(sd))["frozen"]["base1"][0].item() == 100.0
+
+
+async def test_skip_unchanged_is_validated() -> None:
+    from astage import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="skip_unchanged"):
+        StagingOptions(skip_unchanged=1)  # type: ignore[arg-type]
+    assert anyio  # the module is imported for the backends' fixtures
