@@ -79,6 +79,7 @@ from ._persist import (
     write_replica,
 )
 from ._stager import AsyncStager, DefaultStager, StageStats
+from ._threads import run_sync
 from ._validate import check_path
 
 log = logging.getLogger("astage.checkpointer")
@@ -935,7 +936,9 @@ class Checkpointer:
     async def _write_local(self, job: _Job) -> _FileEntry:
         """Encode the staged copy and write this rank's file durably (not yet committed)."""
         begin = time.perf_counter()
-        encoded = await anyio.to_thread.run_sync(
+        # Through a box: the worker thread must not keep the encoded replica (which views
+        # the staged buffers) alive after this task resumes (see astage._threads).
+        encoded = await run_sync(
             functools.partial(
                 encode, job.staged, owner_rank=self._rank, step=job.step, checkpoint_id=job.checkpoint_id
             ),
