@@ -88,6 +88,7 @@ from ._persist import (
     write_replica,
 )
 from ._stager import AsyncStager, DefaultStager, StageStats
+from ._threads import run_sync
 from ._validate import check_path
 
 log = logging.getLogger("astage.checkpointer")
@@ -976,7 +977,11 @@ class Checkpointer:
                 waited = time.perf_counter() - started
                 staged = await self._stager.stage(state_dict)
                 checkpoint_id = uuid.uuid4().hex
-                layout = await self._lay_out(staged, step, checkpoint_id)
+                try:
+                    layout = await self._lay_out(staged, step, checkpoint_id)
+                except BaseException:
+                    staged = None  # given back by _lay_out; the traceback keeps this frame
+                    raise
                 stats = getattr(self._stager, "last_stats", None)
                 job = _Job(
                     step=step,
@@ -1082,8 +1087,8 @@ class Checkpointer:
         begin = time.perf_counter()
         layout, job.layout = job.layout, None
         assert layout is not None
-        encoded = await anyio.to_thread.run_sync(layout.encode, limiter=self._limiter)
-        del layout
+        encoded = await run_sync(layout.encode, limiter=self._limiter)
+        del layout  # through a box: the worker keeps nothing that views the staged buffers
         try:
             entry = _FileEntry(self._data_name, encoded.total_nbytes, _storages_crc32c(encoded.header))
             job.written = True  # from here on, a file may exist that must not outlive a failure
@@ -1178,7 +1183,7 @@ class Checkpointer:
         path.  The walk is the one encoding needs anyway; only the checksums are left for
         the background.  On any error the copy goes back to the stager."""
         try:
-            return await anyio.to_thread.run_sync(
+            return await run_sync(
                 functools.partial(
                     lay_out, staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id
                 ),
@@ -1188,6 +1193,9 @@ class Checkpointer:
             _drop_frames(exc)
             with anyio.CancelScope(shield=True):
                 await self._give_back(staged, step)
+            # This frame stays in the error's traceback: it must not keep the copy it gave
+            # back, which the stager may hand out again (a released copy is refilled).
+            staged = None
             raise
 
     async def _release_staged(self, job: _Job) -> None:

@@ -226,12 +226,15 @@ async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.Capacity
             if state[0] == "dropped":
                 return
             state[0] = "running"
+        batches = box.pop()
+        batches.reverse()
         try:
-            for batch in box.pop():
-                if stop.is_set():
-                    return
-                run_batch(batch)
+            while batches and not stop.is_set():
+                run_batch(batches.pop())
         finally:
+            # Before done is set: a waiter resumes then and hands the buffers back, while
+            # this thread may not run again for a while (see astage._threads).
+            batches.clear()
             done.set()
 
     try:

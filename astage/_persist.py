@@ -61,6 +61,7 @@ from ._format import (
     parse_prefix,
     prefix_nbytes,
 )
+from ._threads import Call, run_sync
 
 T = TypeVar("T")
 
@@ -115,18 +116,22 @@ async def blocking_io(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityL
     it runs through aiofiles' executor wrapper once the token is held, under any other
     anyio backend in an anyio worker thread under the limiter.  Either way a cancellation
     is delivered only once the call has returned, never while it may still touch a
-    descriptor that cleanup would close (and the OS could hand to another file).
+    descriptor that cleanup would close (and the OS could hand to another file).  The worker
+    thread keeps no reference to the arguments (views of staged buffers, when writing) or
+    the result once this returns (see :mod:`astage._threads`).
     """
     if sniffio.current_async_library() == "asyncio":
         # A pending cancellation is delivered before the call starts (waiting for a token
         # included); once started, the call's result is always returned (a file it created
         # must reach its cleanup).
         await anyio.lowlevel.checkpoint_if_cancelled()
+        call = Call(fn, *args)
+        del fn, args
         async with limiter if limiter is not None else contextlib.nullcontext():
             with anyio.CancelScope(shield=True):
-                result: T = await aiofiles.os.wrap(fn)(*args)
-        return result
-    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+                await aiofiles.os.wrap(call.run)()
+        return call.take()
+    return await run_sync(fn, *args, limiter=limiter)
 
 
 def make_dirs(directory: Path) -> list[Path]:

@@ -78,6 +78,7 @@ from ._persist import (
 )
 from ._pool import BufferKind, BufferPool, Lease
 from ._stager import DefaultStager, StageStats
+from ._threads import run_sync
 from ._validate import check_int, check_path, check_seconds
 
 if TYPE_CHECKING:
@@ -378,7 +379,9 @@ class ReplicationStager(anyio.abc.AsyncResource):
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
-                encoded: Encoded = await anyio.to_thread.run_sync(
+                # Boxed: the worker thread must not keep the replica, which views the
+                # staged buffers, once this resumes (see astage._threads).
+                encoded: Encoded = await run_sync(
                     functools.partial(
                         encode,
                         staged,

@@ -22,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
 import time
+import types
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import pytest
 import torch
 import torch.distributed as dist
 from blockbuster import blockbuster_ctx
 
 import astage
+from astage._copy import run_batch
 from astage._format import encode
 from astage._persist import load_replica_sync, replica_path, write_replica
 from tests.distributed import run_group
@@ -172,6 +177,41 @@ async def test_stage_cancelled_at_every_await_point() -> None:
         assert_same_tree(staged, sd)
         await stager.release(staged)
         assert_same_tree(await stager.stage(big_state(2)), big_state(2))
+
+
+@pytest.mark.anyio
+async def test_a_stage_cancelled_mid_copy_hands_its_buffers_back_though_the_copy_thread_lingers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The copy thread signals that it stopped, then drops its last batch (views of the
+    # staging buffers) when it returns; descheduled in between, it kept the buffers from
+    # coming back before stage() returned.  Here it lingers there for sure: until stage()
+    # has raised.
+    scope = anyio.CancelScope()
+    lingered, resumed = threading.Event(), threading.Event()
+
+    def linger(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "return" and frame.f_code is threading.Event.set.__code__:
+            sys.setprofile(None)
+            lingered.set()
+            resumed.wait(30)
+
+    def cancel_then_copy(batch: Any, non_blocking: bool = False) -> None:
+        anyio.from_thread.run_sync(scope.cancel)
+        sys.setprofile(linger)  # in this copy thread only
+        run_batch(batch, non_blocking)
+
+    monkeypatch.setattr("astage._copy.run_batch", cancel_then_copy)
+    try:
+        async with astage.DefaultStager() as stager:
+            with scope:
+                await stager.stage(big_state(1))
+            assert scope.cancelled_caught
+            assert lingered.is_set()
+            stats = stager.pool_stats()
+            assert stats.leased_bytes == stats.handed_out_bytes == 0, stats
+    finally:
+        resumed.set()
 
 
 # -- astage._persist.write_replica -----------------------------------------------------------

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._errors import ConfigurationError
 from .._slices import run_steps
-from .._threads import run_unpinned
+from .._threads import run_sync
 from ._link import Link
 from ._protocol import (
     ACK_BYTES,
@@ -230,7 +230,7 @@ async def _send(link: Link, prefix: bytes, plan: ChunkPlan) -> None:
                 buffer = link.wire.host_buffer(min(plan.chunk_bytes, body_nbytes))
                 allocated += 1
             tensor = buffer[: chunk.nbytes]
-            await run_unpinned(_pack, chunk.parts, tensor, limiter=link.limiter)
+            await run_sync(_pack, chunk.parts, tensor, limiter=link.limiter)
             link.chunks_packed += 1
         while len(inflight) >= link.wire.window:
             await retire_oldest()

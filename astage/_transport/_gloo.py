@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ConfigurationError
-from .._threads import run_unpinned
+from .._threads import run_sync
 from ._protocol import BREAK_TAG
 from ._wire import Message, Route
 
@@ -79,7 +79,7 @@ class _GlooMessage:
     async def complete(self) -> None:
         # Gloo completes point-to-point work only inside wait(): wait in a worker thread.
         if not self.work.is_completed():
-            done = await run_unpinned(
+            done = await run_sync(
                 _wait,
                 self.work,
                 self.wire.route.deadline + _THREAD_GRACE,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .._errors import ConfigurationError
 from .._events import Queryable, wait_event
-from .._threads import run_unpinned
+from .._threads import run_sync
 from ._pairing import Pairing
 from ._wire import Message, Route
 
@@ -121,7 +121,7 @@ class NcclWire:
                 dst.copy_(src, non_blocking=True)
                 copied: Queryable = stream.record_event()
             return copied
-        await run_unpinned(_copy, dst, src, self.device, stream, limiter=self.limiter)
+        await run_sync(_copy, dst, src, self.device, stream, limiter=self.limiter)
         return None
 
     # -- launching
@@ -139,7 +139,7 @@ class NcclWire:
                     )
                     for m in batch
                 ]
-                works = await run_unpinned(
+                works = await run_sync(
                     _launch, ops, self.device, self.h2d, limiter=self.limiter, abandon_on_cancel=True
                 )
                 if not works:
