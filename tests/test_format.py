@@ -1028,3 +1028,28 @@ def test_an_unpadded_dense_header_is_refused_before_parsing() -> None:
     with pytest.raises(astage.IntegrityError, match="too dense"):
         parse_prefix(_forge_version(header.rstrip(b" "), FORMAT_VERSION))
     assert parse_prefix(_forge_version(header, FORMAT_VERSION)).num_tensors == 0  # the padded one is fine
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_empty_shape_whose_sizes_overflow_before_the_zero_is_refused(version: int) -> None:
+    # Torch refuses (2**32, 2**32, 0) ("numel: integer multiplication overflow"): a header
+    # that passed would fail only when rebuilt, after a receiver had accepted it (found by
+    # the fuzzer).  (0, 2**62, 2**62) is fine: the product is 0 before it could overflow.
+    if version == 3:
+
+        def sizes(first: list[int]) -> bytes:
+            state = {"e": torch.zeros(2, 2, 0)}
+            return _table_edit(lambda c, t, d, s: d.__setitem__(slice(0, 3), first), state)
+
+        bad, fine = sizes([1 << 32, 1 << 32, 0]), sizes([0, 1 << 62, 1 << 62])
+    else:
+
+        def sizes_v2(first: list[int]) -> bytes:
+            doc = _doc()
+            doc["tensors"][0][2:4] = [first, [1, 1, 1]]
+            return _forge(json.dumps(doc).encode())
+
+        bad, fine = sizes_v2([1 << 32, 1 << 32, 0]), sizes_v2([0, 1 << 62, 1 << 62])
+    assert parse_prefix(fine).plan.tensors[0].size == (0, 1 << 62, 1 << 62)
+    with pytest.raises(astage.IntegrityError, match="too many elements"):
+        parse_prefix(bad)
