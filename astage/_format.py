@@ -925,14 +925,16 @@ def _parse_cost(raw: bytes) -> int:
     the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
     the encoder counts them the same way (:class:`_TreeEncoder`).
     """
-    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
-    digits = len(raw) - len(raw.translate(None, _DIGITS))
+    unpadded = _unpadded_len(raw)
+    text = raw[:unpadded]  # the padding holds no tokens: not scanned six times over
+    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
+    digits = len(text) - len(text.translate(None, _DIGITS))
     return (
         len(raw)
-        + (5 if b"\\u" in raw else 2) * _unpadded_len(raw)
+        + (5 if b"\\u" in text else 2) * unpadded
         + _COST_VALUE * values
-        + _COST_QUOTE * raw.count(b'"')
-        + _COST_COLON * raw.count(b":")
+        + _COST_QUOTE * text.count(b'"')
+        + _COST_COLON * text.count(b":")
         + _COST_DIGIT * digits
     )
 
@@ -1641,24 +1643,46 @@ class _HeaderParser:
             values = _list(values, where, len(keys))
             if len(dict.fromkeys(keys)) != len(keys):
                 raise _fail(where, "duplicate dict key")
-            nodes = tuple(self.node(v, (*path, k), depth + 1) for k, v in zip(keys, values, strict=True))
+            nodes = self.children(keys, values, path, depth)
             attrs = self.attrs(more[0], path, depth) if more else ()
             proto: dict[Any, Any] | None = None if tag == "dict" else collections.OrderedDict()
             node = DictNode(self.containers, tuple(keys), nodes, proto, attrs)
         elif tag in ("list", "tuple"):
             items = _list(_list(raw, where, 2)[1], where)
-            nodes = tuple(self.node(v, (*path, i), depth + 1) for i, v in enumerate(items))
+            nodes = self.children(range(len(items)), items, path, depth)
             node = SeqNode(self.containers, list if tag == "list" else tuple, nodes, None, ())
         elif tag == "namedtuple":
             _, typename, fields, items = _list(raw, where, 4)
             fields = _list(fields, where)
             items = _list(items, where, len(fields))
-            nodes = tuple(self.node(v, (*path, i), depth + 1) for i, v in enumerate(items))
+            nodes = self.children(range(len(items)), items, path, depth)
             node = SeqNode(self.containers, self.namedtuple(typename, fields, where), nodes, None, ())
         else:
             raise _fail(where, f"unknown or malformed node {raw!r:.80}")
         self.containers += 1
         return node
+
+    def children(self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int) -> tuple[Node, ...]:
+        # Tensor references are the bulk of a tree: checked inline, a key path made only for
+        # a tensor's first reference (the same checks as node()).
+        out: list[Node] = []
+        append = out.append
+        paths = self.paths
+        for key, raw in zip(keys, raws, strict=True):
+            if (
+                type(raw) is list
+                and len(raw) == 2
+                and raw[0] == "tensor"
+                and type(raw[1]) is int
+                and 0 <= raw[1] < len(paths)
+            ):
+                if paths[raw[1]] is None:
+                    paths[raw[1]] = child = (*path, key)
+                    self.charge(_COST_PATH + 8 * len(child))
+                append(TensorNode(raw[1]))
+            else:
+                append(self.node(raw, (*path, key), depth + 1))
+        return tuple(out)
 
     def attrs(self, raw: Any, path: KeyPath, depth: int) -> tuple[tuple[str, Node], ...]:
         if type(raw) is not dict or not raw or not all(_attr_name_ok(name) for name in raw):
