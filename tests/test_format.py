@@ -1053,3 +1053,18 @@ def test_an_empty_shape_whose_sizes_overflow_before_the_zero_is_refused(version:
     assert parse_prefix(fine).plan.tensors[0].size == (0, 1 << 62, 1 << 62)
     with pytest.raises(astage.IntegrityError, match="too many elements"):
         parse_prefix(bad)
+
+
+def test_relabel_makes_another_ranks_prefix_over_the_same_body() -> None:
+    encoded = encode(SMALL, owner_rank=3, step=7, checkpoint_id="ckpt", created=1.5)
+    relabelled = encoded.relabel(owner_rank=5, holder_rank=2)
+    assert relabelled.segments is encoded.segments  # the body is shared, not copied
+    header = relabelled.header
+    assert (header.owner_rank, header.holder_rank, header.step, header.checkpoint_id) == (5, 2, 7, "ckpt")
+    assert header.segments == encoded.header.segments  # the checksums are kept
+    assert_same_tree(SMALL, read(b"".join(relabelled.buffers())))
+    with pytest.raises(astage.ConfigurationError, match="holder_rank"):
+        encoded.relabel(owner_rank=0, holder_rank=-1)
+    received = astage._format.Encoded(encoded.prefix, encoded.segments, encoded.body_nbytes)
+    with pytest.raises(astage.ConfigurationError, match="relabel"):
+        received.relabel(owner_rank=0, holder_rank=1)
