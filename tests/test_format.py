@@ -1068,3 +1068,40 @@ def test_relabel_makes_another_ranks_prefix_over_the_same_body() -> None:
     received = astage._format.Encoded(encoded.prefix, encoded.segments, encoded.body_nbytes)
     with pytest.raises(astage.ConfigurationError, match="relabel"):
         received.relabel(owner_rank=0, holder_rank=1)
+
+
+def _json_edit(state: Any, edit: Callable[[dict[str, Any]], object]) -> bytes:
+    """A version-3 prefix of ``state`` whose JSON ``edit`` changed (tables kept), checksum right."""
+    data = replica_bytes(state, created=1.5)
+    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]]
+    start = header.index(b'{"format":3,')
+    doc = json.loads(header[start:])
+    edit(doc)
+    return _forge_version(header[:start] + json.dumps(doc).encode(), FORMAT_VERSION)
+
+
+@pytest.mark.parametrize(
+    "notes",
+    [
+        [[2, "(Shard(dim=0),)", [4]]],  # no such tensor
+        [[1, "(Shard(dim=0),)", [4]], [0, "(Replicate(),)", [2, 3]]],  # not increasing
+        [[0, 7, [4]]],  # placements not a str
+        [[0, "(Shard(dim=0),)", [-1]]],  # a negative global size
+        [[0, "(Shard(dim=0),)"]],  # not three fields
+    ],
+    ids=["index", "order", "placements", "global shape", "arity"],
+)
+def test_malformed_dtensor_notes_are_integrity_errors(notes: list[Any]) -> None:
+    data = _json_edit(SMALL, lambda doc: doc.update(dtensors=notes))
+    with pytest.raises(astage.IntegrityError, match="dtensors"):
+        parse_prefix(data)
+
+
+def test_a_dtensor_note_on_an_ndarray_is_an_integrity_error() -> None:
+    state = {"a": np.arange(3, dtype=np.int64), "w": torch.zeros(2)}
+    data = _json_edit(state, lambda doc: doc.update(dtensors=[[0, "(Shard(dim=0),)", [6]]]))
+    with pytest.raises(astage.IntegrityError, match="dtensors"):
+        parse_prefix(data)
+    note = parse_prefix(_json_edit(state, lambda doc: doc.update(dtensors=[[1, "p", [4]]]))).dtensors[1]
+    assert note is not None
+    assert (note.placements, note.global_shape) == ("p", (4,))
