@@ -47,6 +47,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import inspect
 import json
 import logging
 import math
@@ -73,7 +74,7 @@ from ._errors import (
     PersistError,
     ResourceError,
 )
-from ._format import ReplicaHeader, ReplicaLayout, lay_out
+from ._format import Encoded, ReplicaHeader, ReplicaLayout, lay_out
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
 from ._persist import (
@@ -119,8 +120,22 @@ class Replicator(Protocol):
     """
 
     async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> object:
-        """Send or store a replica of an already staged state_dict."""
+        """Send or store a replica of an already staged state_dict.
+
+        An implementation that also takes an ``encoded`` keyword argument gets the save's
+        :class:`astage._format.Encoded` replica (owner this rank, no holder), encoded and
+        checksummed once for the local file and the replica alike.
+        """
         ...
+
+
+def _takes_encoded(replication: Replicator) -> bool:
+    """Whether ``replication.replicate_staged`` accepts ``encoded=`` (see :class:`Replicator`)."""
+    try:
+        parameters = inspect.signature(replication.replicate_staged).parameters
+    except (TypeError, ValueError):  # no signature to read: call it the plain way
+        return False
+    return "encoded" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 @runtime_checkable
@@ -775,6 +790,7 @@ class Checkpointer:
         self._owns_stager = stager is None
         self._stager: AsyncStager = DefaultStager() if stager is None else stager
         self._replication = replication
+        self._share_encoded = replication is not None and _takes_encoded(replication)
         self._keep = keep
         self._max_in_flight = max_in_flight
         self._rank = rank
@@ -1082,13 +1098,8 @@ class Checkpointer:
             del self._jobs[job.step]
             self._unreserve(job.step)
 
-    async def _write_local(self, job: _Job) -> _FileEntry:
-        """Encode the staged copy and write this rank's file durably (not yet committed)."""
-        begin = time.perf_counter()
-        layout, job.layout = job.layout, None
-        assert layout is not None
-        encoded = await run_sync(layout.encode, limiter=self._limiter)
-        del layout  # through a box: the worker keeps nothing that views the staged buffers
+    async def _write_local(self, job: _Job, encoded: Encoded, begin: float) -> _FileEntry:
+        """Write this rank's file durably (not yet committed)."""
         try:
             entry = _FileEntry(self._data_name, encoded.total_nbytes, _storages_crc32c(encoded.header))
             job.written = True  # from here on, a file may exist that must not outlive a failure
@@ -1112,30 +1123,51 @@ class Checkpointer:
         # every staged save, in save order, even when the local write failed: every rank
         # must make the same sequence of calls, or the peers' exchanges fall out of step.
         failures: dict[str, Exception] = {}
+        begin = time.perf_counter()
+        layout, job.layout = job.layout, None
+        assert layout is not None
+        # Encoded and checksummed once, for the local file and (relabelled) the replica.
+        # It views the staged buffers, which go back to the stager: dropped before that.
+        encoded: Encoded | None = None
+        try:
+            with _frames_dropped():
+                encoded = await run_sync(layout.encode, limiter=self._limiter)
+        except Exception as exc:
+            failures["local"] = exc
+        del layout
 
-        async def write_local() -> None:
+        async def write_local(box: list[Encoded]) -> None:
             try:
                 with _frames_dropped():
-                    job.entry = await self._write_local(job)
+                    job.entry = await self._write_local(job, box.pop(), begin)
             except Exception as exc:
                 failures["local"] = exc
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(write_local)
-            if job.previous is not None:
-                await job.previous.wait()  # replicate and commit in save order
-            if self._replication is not None:
-                begin = time.perf_counter()
-                try:
-                    with _frames_dropped():
-                        await self._replication.replicate_staged(
-                            job.staged, step=job.step, checkpoint_id=job.checkpoint_id
-                        )
-                except Exception as exc:
-                    failures["replication"] = exc
-                else:
-                    job.replicate_seconds = time.perf_counter() - begin
-                    self._emit("replicated", job)
+        try:
+            async with anyio.create_task_group() as tg:
+                if encoded is not None:
+                    tg.start_soon(write_local, [encoded])
+                if job.previous is not None:
+                    await job.previous.wait()  # replicate and commit in save order
+                if self._replication is not None:
+                    shared = {"encoded": encoded} if self._share_encoded and encoded is not None else {}
+                    encoded = None
+                    replicate_begin = time.perf_counter()
+                    try:
+                        with _frames_dropped():
+                            await self._replication.replicate_staged(
+                                job.staged, step=job.step, checkpoint_id=job.checkpoint_id, **shared
+                            )
+                    except Exception as exc:
+                        failures["replication"] = exc
+                    else:
+                        job.replicate_seconds = time.perf_counter() - replicate_begin
+                        self._emit("replicated", job)
+                    finally:
+                        shared.clear()
+                encoded = None
+        finally:
+            encoded = None
         if "local" in failures and "replication" in failures:
             log.error("replicating step %d failed as well: %s", job.step, failures["replication"])
         if failures:

@@ -2,14 +2,18 @@
 
 A replica is a staged state_dict as bytes::
 
-    MAGIC (8) | version u32 LE | header_len u64 LE | header JSON (header_len bytes, ASCII,
-    padded with spaces)
+    MAGIC (8) | version u32 LE | header_len u64 LE | header (header_len bytes)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
+
+    header (version 3) = counts u64[4] | tensor table | dims int64[] | storage table
+                         | JSON tree (ASCII, padded with spaces where needed)
 
 The body holds each distinct storage's raw bytes once, in plan order, each segment starting
 at the first 64-byte boundary after the previous one, gaps zero, nothing after the last.
-The header says how to view those storages as tensors and how to rebuild the tree.  See
-``docs/format.md`` for the schema.
+The header says how to view those storages as tensors (a binary table of fixed-size
+records, one per tensor and one per storage) and how to rebuild the tree (JSON that refers
+to tensors by index).  Versions 1 and 2 kept the tables in the JSON; they are still read.
+See ``docs/format.md`` for the schema.
 
 This module touches no file, socket or thread; it turns a staged tree into
 :class:`Encoded` (a prefix plus byte ranges) and a prefix plus body back into a tree.
@@ -20,13 +24,14 @@ Invariants:
   an explicit allow-list, namedtuples are rebuilt with :func:`collections.namedtuple`.
 * Decoding trusts nothing.  Lengths are checked against :data:`HEADER_CAP` and against the
   bytes at hand before anything is allocated; the header is checksummed and its schema
-  checked strictly (types, ranges, indices, layout, every tensor inside its storage);
+  checked strictly (types, ranges, indices, layout, every tensor inside its storage; the
+  binary tables column by column with numpy, not record by record in Python);
   every storage's crc32c is verified before any tensor is returned.  Each violation raises
   :class:`IntegrityError`; a wrong tensor is never returned.
 * Parsing is bounded before it starts: a count of the header's tokens bounds what the parse
-  can allocate (:func:`_parse_cost`), a format-2 header that could need more than
-  :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder pads every
-  header with spaces until it fits.
+  can allocate (:func:`_parse_cost`, plus a fixed cost a table record), a header that could
+  need more than :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder
+  pads a header with spaces where it would not fit.
 * Encoding is faithful or fails: aliasing and object identity survive the round trip, leaves
   come back with their type and value (numpy scalars bit for bit, ``-0.0`` too), and a value the
   format cannot hold raises :class:`UnsupportedInputError` naming its key path.
@@ -36,15 +41,17 @@ from __future__ import annotations
 
 import binascii
 import collections
+import ctypes
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import math
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import crc32c
@@ -73,14 +80,15 @@ from ._slices import drive
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every replica."""
 
-FORMAT_VERSION: Final = 2
-"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list)."""
+FORMAT_VERSION: Final = 3
+"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
+version 3 the binary tensor and storage tables)."""
 
-READ_VERSIONS: Final = frozenset({1, 2})
+READ_VERSIONS: Final = frozenset({1, 2, 3})
 """The versions this module reads.  The binary version sets the parse bound
-(:data:`PARSE_AMPLIFICATION`: version 2 headers are padded to it); the header's ``format``
-field says which nodes may appear: a format-1 header may use only format-1 nodes, and the
-encoder writes 2 only where the tree needs format-2 nodes."""
+(:data:`PARSE_AMPLIFICATION`: version 2 and 3 headers are padded to it where needed) and the
+header's layout (3: binary tables); in versions 1 and 2 the header's ``format`` field says
+which nodes may appear: a format-1 header may use only format-1 nodes."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""
@@ -111,6 +119,7 @@ MAX_NDIM: Final = 64
 """Most dimensions accepted for one tensor."""
 
 _FIXED = struct.Struct("<8sIQ")
+_COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
 _CRC = struct.Struct("<I")
 _ZEROS = bytes(ALIGNMENT)
 _INT64 = 1 << 63
@@ -168,7 +177,41 @@ _TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
 """Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
 object is only a name."""
 
+DTYPE_CODES: Final[tuple[str, ...]] = tuple(DTYPES)
+"""Version 3's dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
+only: a code once written means that dtype forever."""
+
+TENSOR_RECORD: Final = np.dtype(
+    [
+        ("storage", "<u4"),
+        ("dtype", "u1"),
+        ("ndim", "u1"),
+        ("kind", "u1"),
+        ("flags", "u1"),
+        ("offset", "<i8"),
+    ]
+)
+"""One tensor of a version-3 header (16 bytes, little-endian).  Its ``ndim`` sizes and then
+``ndim`` strides follow the previous tensor's in the dims array."""
+
+STORAGE_RECORD: Final = np.dtype(
+    [("offset", "<u8"), ("nbytes", "<u8"), ("crc32c", "<u4"), ("reserved", "<u4")]
+)
+"""One storage of a version-3 header (24 bytes, little-endian): where its bytes lie in the
+body and their crc32c; ``reserved`` is zero."""
+
+FLAG_REQUIRES_GRAD: Final = 1
+FLAG_CONJ: Final = 2
+FLAG_NEG: Final = 4
+_FLAGS: Final = FLAG_REQUIRES_GRAD | FLAG_CONJ | FLAG_NEG
+
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
+_DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES)}
+_CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
+_CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
+_CODE_FLOATING: Final = np.array([d.is_floating_point or d.is_complex for d in _CODE_DTYPES])
+_CODE_COMPLEX: Final = np.array([d.is_complex for d in _CODE_DTYPES])
+_CODE_NUMPY: Final = np.array([name in NUMPY_DTYPES for name in DTYPE_CODES])
 _TORCH_DTYPE_LEAF_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPE_LEAVES.items()}
 _NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
 _KINDS: Final = {
@@ -176,7 +219,14 @@ _KINDS: Final = {
     "parameter": TensorKind.PARAMETER,
     "ndarray": TensorKind.NDARRAY,
 }
-_KIND_NAMES: Final = {kind: name for name, kind in _KINDS.items()}
+_KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY)
+"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0)."""
+_KIND_CODE: Final = {
+    TensorKind.TENSOR: 0,
+    TensorKind.PARAMETER: 1,
+    TensorKind.NDARRAY: 2,
+    TensorKind.DTENSOR: 0,
+}
 _V2_KINDS: Final = frozenset({TensorKind.NDARRAY})
 _V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
 _DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
@@ -256,11 +306,30 @@ class Encoded:
     :ivar segments: ``(body offset, uint8 CPU tensor)`` per storage, viewing the staged
         storages themselves (nothing is copied); the bytes between them are zero.
     :ivar body_nbytes: length of the body.
+    :ivar layout: what it was encoded from, with ``crcs`` the storages' checksums: kept so
+        that :meth:`relabel` can make the prefix for another rank without checksumming the
+        body again (``None`` for a replica received from a peer).
     """
 
     prefix: bytes
     segments: tuple[tuple[int, torch.Tensor], ...]
     body_nbytes: int
+    layout: ReplicaLayout | None = dataclasses.field(default=None, repr=False)
+    crcs: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+
+    def relabel(self, *, owner_rank: int, holder_rank: int | None) -> Encoded:
+        """The same replica, body shared, with these ranks in its header.
+
+        A save that goes to a local file and to a peer is encoded and checksummed once;
+        only the prefix (small) is made again for the peer's copy.
+
+        :raises ConfigurationError: a rank out of range, or no layout to relabel.
+        """
+        if self.layout is None:
+            raise ConfigurationError("only an Encoded made by encode() can be relabelled")
+        layout = dataclasses.replace(self.layout, owner_rank=owner_rank, holder_rank=holder_rank)
+        _check_meta(owner_rank, holder_rank, layout.step, layout.checkpoint_id, layout.created)
+        return dataclasses.replace(self, prefix=layout.prefix(self.crcs), layout=layout)
 
     @functools.cached_property
     def header(self) -> ReplicaHeader:
@@ -366,10 +435,20 @@ class ReplicaLayout:
     :class:`Encoded`.
     """
 
-    head_json: str
-    """The header JSON without its storage table (a closed JSON object)."""
+    owner_rank: int
+    holder_rank: int | None
+    step: int
+    checkpoint_id: str
+    created: float
+    tree_json: str
+    """The header JSON's members after the metadata (``"dtensors":...,"tree":...``)."""
+    tables: bytes
+    """The tensor table and the dims array."""
+    num_tensors: int
+    num_dims: int
     storages: tuple[torch.UntypedStorage, ...]
     offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
     body_nbytes: int
     charged: int
     """What a reader charges to its parse budget beyond the counted tokens (_parse_cost)."""
@@ -383,19 +462,42 @@ class ReplicaLayout:
         segments = []
         crcs = []
         for offset, storage in zip(self.offsets, self.storages, strict=True):
-            data = _storage_bytes(storage)
-            segments.append((offset, data))
-            crcs.append(crc32c.crc32c(data.numpy().data))
-        return Encoded(_prefix_bytes(self.header(crcs)), tuple(segments), self.body_nbytes)
+            segments.append((offset, _storage_bytes(storage)))
+            # A ctypes view for the checksum: a fifth of the cost of a numpy one, and the
+            # storage outlives it (self holds it).
+            view = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+            crcs.append(crc32c.crc32c(view))
+        crc_tuple = tuple(crcs)
+        return Encoded(self.prefix(crc_tuple), tuple(segments), self.body_nbytes, self, crc_tuple)
 
-    def header(self, crcs: Sequence[int]) -> str:
-        """The header JSON with these storage checksums, padded (:func:`_padded`)."""
-        # The table goes in as text: the rest of the header was serialised by lay_out.
-        table = ",".join(
-            f"[{offset},{storage.nbytes()},{crc}]"
-            for offset, storage, crc in zip(self.offsets, self.storages, crcs, strict=True)
+    def prefix(self, crcs: Sequence[int]) -> bytes:
+        """Everything before the body, with these storage checksums."""
+        return _prefix_bytes(self.header(crcs))
+
+    def header(self, crcs: Sequence[int]) -> bytes:
+        """The header (tables and JSON) with these storage checksums, padded (:func:`_padded`)."""
+        storages = np.zeros(len(self.offsets), STORAGE_RECORD)
+        storages["offset"] = self.offsets
+        storages["nbytes"] = self.nbytes
+        storages["crc32c"] = crcs
+        binary = (
+            _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
+            + self.tables
+            + storages.tobytes()
         )
-        return _padded(f'{self.head_json[:-1]},"storages":[{table}]}}', self.charged)
+        meta = {
+            "format": FORMAT_VERSION,
+            "owner_rank": self.owner_rank,
+            "holder_rank": self.holder_rank,
+            "step": self.step,
+            "checkpoint_id": self.checkpoint_id,
+            "created": self.created,
+            "body_nbytes": self.body_nbytes,
+        }
+        head = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        text = f"{head[:-1]},{self.tree_json}}}".encode("ascii")
+        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
+        return binary + _padded(text, len(binary), charged)
 
 
 @_without_gc
@@ -424,29 +526,57 @@ def lay_out(
     tree_encoder = _TreeEncoder(plan)
     tree = tree_encoder.node(plan.root, (), 0)
     offsets = []
+    nbytes = [spec.nbytes for spec in plan.storages]
     end = 0
-    for spec in plan.storages:
+    for n in nbytes:
         offsets.append(_align(end))
-        end = offsets[-1] + spec.nbytes
-    doc = {
-        # The lowest schema that holds the tree: a header without format-2 nodes stays
-        # readable by anything that edits or checks format-1 documents.
-        "format": tree_encoder.schema,
-        "owner_rank": owner_rank,
-        "holder_rank": holder_rank,
-        "step": step,
-        "checkpoint_id": checkpoint_id,
-        "created": created,
-        "body_nbytes": end,
-        "tensors": [_tensor_entry(spec) for spec in plan.tensors],
-        "tree": tree,
-    }
-    head_json = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-    layout = ReplicaLayout(head_json, tuple(planner.storage_objs), tuple(offsets), end, tree_encoder.charged)
-    # The longest header the checksums can make (ten digits each, the most padding), so
-    # that encode() cannot fail on the cap later.
-    _check_header_len(len(layout.header([4294967295] * len(offsets))))
+        end = offsets[-1] + n
+    dtensors = [
+        [i, repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)]
+        for i, spec in enumerate(plan.tensors)
+        if spec.kind is TensorKind.DTENSOR
+    ]
+    tree_json = json.dumps(
+        {"dtensors": dtensors, "tree": tree}, ensure_ascii=True, allow_nan=False, separators=(",", ":")
+    )[1:-1]
+    table, dims = _tensor_table(plan.tensors)
+    layout = ReplicaLayout(
+        owner_rank=owner_rank,
+        holder_rank=holder_rank,
+        step=step,
+        checkpoint_id=checkpoint_id,
+        created=created,
+        tree_json=tree_json,
+        tables=table.tobytes() + dims.tobytes(),
+        num_tensors=len(table),
+        num_dims=len(dims),
+        storages=tuple(planner.storage_objs),
+        offsets=tuple(offsets),
+        nbytes=tuple(nbytes),
+        body_nbytes=end,
+        charged=tree_encoder.charged,
+    )
+    # The longest header the metadata can make (the widest holder rank; checksums are
+    # fixed-size), so that encode() and relabel() cannot fail on the cap later.
+    widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
+    _check_header_len(len(widest.header([0] * len(offsets))))
     return layout
+
+
+def _tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The version-3 tensor table and dims array of ``specs``, built column by column."""
+    table = np.zeros(len(specs), TENSOR_RECORD)
+    table["storage"] = [s.storage for s in specs]
+    table["dtype"] = [_DTYPE_CODE[s.dtype] for s in specs]
+    table["ndim"] = [len(s.size) for s in specs]
+    table["kind"] = [_KIND_CODE[s.kind] for s in specs]
+    table["flags"] = [
+        FLAG_REQUIRES_GRAD * s.requires_grad + FLAG_CONJ * s.conj + FLAG_NEG * s.neg for s in specs
+    ]
+    table["offset"] = [s.offset for s in specs]
+    count = 2 * int(table["ndim"].sum())
+    dims = np.fromiter(itertools.chain.from_iterable(s.size + s.stride for s in specs), "<i8", count)
+    return table, dims
 
 
 def encode(
@@ -554,31 +684,11 @@ def _check_header_len(nbytes: int) -> None:
         )
 
 
-def _prefix_bytes(header_json: str) -> bytes:
-    body = header_json.encode("ascii")
-    _check_header_len(len(body))
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+def _prefix_bytes(header: bytes) -> bytes:
+    _check_header_len(len(header))
+    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(header)) + header
     head += _CRC.pack(crc32c.crc32c(head))
     return head + bytes(_align(len(head)) - len(head))
-
-
-def _tensor_entry(spec: TensorSpec) -> list[Any]:
-    entry = [
-        spec.storage,
-        _DTYPE_NAMES[spec.dtype],
-        list(spec.size),
-        list(spec.stride),
-        spec.offset,
-        _KIND_NAMES.get(spec.kind, "tensor"),  # a DTensor is stored as its local tensor
-        spec.requires_grad,
-    ]
-    if spec.kind is TensorKind.DTENSOR:
-        note = {
-            "placements": repr(tuple(spec.dtensor_spec.placements)),
-            "global_shape": list(spec.dtensor_spec.shape),
-        }
-        entry.append(note)
-    return entry
 
 
 def _scalar(value: Any) -> Any:
@@ -662,26 +772,16 @@ class _TreeEncoder:
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
         self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
-        self.schema = 1  # the header's "format": 2 once a format-2 node is written
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
             case TensorNode(index):
-                if index not in self.seen:
-                    self.seen.add(index)
-                    self.charged += _COST_PATH + 8 * len(path)
-                    self._check_tensor(self.plan.tensors[index], path)
-                    if self.plan.tensors[index].kind in _V2_KINDS:
-                        self.schema = 2
-                return ["tensor", index]
+                return self.tensor(index, path)
             case AtomNode(value):
                 try:
-                    leaf = _leaf(value)
+                    return _leaf(value)
                 except (TypeError, ValueError) as exc:
                     raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
-                if type(leaf) is list and leaf[0] in _V2_LEAVES:
-                    self.schema = 2
-                return leaf
             case RefNode(memo):
                 return ["ref", self.memo[memo]]
             case DictNode(memo, keys, values, proto, attrs):
@@ -699,7 +799,7 @@ class _TreeEncoder:
                         raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
                 if json_keys.count(_NAN_KEY) > 1:
                     raise UnsupportedInputError(path, "several NaN dict keys would read back as one")
-                json_values = [self.node(v, (*path, k), depth + 1) for k, v in zip(keys, values, strict=True)]
+                json_values = self.children(keys, values, path, depth)
                 json_attrs = {}
                 for name, value in attrs:
                     if not _attr_name_ok(name):
@@ -720,7 +820,7 @@ class _TreeEncoder:
                 if fields is not None:
                     self._check_namedtuple(cls, fields, len(items), path)
                 self._check_depth(path, depth)
-                json_items = [self.node(v, (*path, i), depth + 1) for i, v in enumerate(items)]
+                json_items = self.children(range(len(items)), items, path, depth)
                 self._done(memo)
                 if fields is not None:
                     return ["namedtuple", cls.__name__, list(fields), json_items]
@@ -733,6 +833,28 @@ class _TreeEncoder:
                     "and plain values: see docs/format.md)",
                 )
         raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
+
+    def tensor(self, index: int, path: KeyPath) -> list[Any]:
+        if index not in self.seen:
+            self.seen.add(index)
+            self.charged += _COST_PATH + 8 * len(path)
+            self._check_tensor(self.plan.tensors[index], path)
+        return ["tensor", index]
+
+    def children(self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int) -> list[Any]:
+        # Tensors are the bulk of a state_dict: met again, they need no key path and no
+        # dispatch (about a third of the walk's time on 20,000 tensors).
+        out: list[Any] = []
+        append = out.append
+        seen = self.seen
+        for key, child in zip(keys, nodes, strict=True):
+            if type(child) is TensorNode and child.position in seen:
+                append(["tensor", child.position])
+            elif type(child) is TensorNode:
+                append(self.tensor(child.position, (*path, key)))
+            else:
+                append(self.node(child, (*path, key), depth + 1))
+        return out
 
     def _done(self, memo: int) -> None:
         self.memo[memo] = len(self.memo)
@@ -763,11 +885,6 @@ class _TreeEncoder:
             raise UnsupportedInputError(
                 path, f"{len(spec.size)} dimensions, the replica format holds at most {MAX_NDIM}"
             )
-        if spec.conj or spec.neg:
-            raise UnsupportedInputError(
-                path,
-                "tensors with a lazy conjugate or negative bit are not supported (resolve_conj/resolve_neg)",
-            )
         if spec.attrs is not None:
             raise UnsupportedInputError(
                 path, "tensors carrying Python attributes cannot be stored in a replica"
@@ -787,6 +904,12 @@ _COST_COLON: Final = 100
 _COST_DIGIT: Final = 10
 _COST_PATH: Final = 48  # a tensor's key path, stored in its TensorSpec: a tuple, plus 8 per key
 _COST_NAMEDTUPLE: Final = 8192  # a namedtuple class, plus 256 per field
+# Version-3 tables, per record (measured like the rest, see tests/test_format.py): a tensor's
+# TensorSpec, its columns' temporaries, its Segment and checks; a dimension's ints, tuple
+# slots and index arrays; a storage's Segment and its three ints.
+_COST_TENSOR: Final = 200
+_COST_DIM: Final = 40
+_COST_STORAGE: Final = 200
 _DIGITS: Final = b"0123456789"
 _SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
 
@@ -802,14 +925,16 @@ def _parse_cost(raw: bytes) -> int:
     the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
     the encoder counts them the same way (:class:`_TreeEncoder`).
     """
-    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
-    digits = len(raw) - len(raw.translate(None, _DIGITS))
+    unpadded = _unpadded_len(raw)
+    text = raw[:unpadded]  # the padding holds no tokens: not scanned six times over
+    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
+    digits = len(text) - len(text.translate(None, _DIGITS))
     return (
         len(raw)
-        + (5 if b"\\u" in raw else 2) * _unpadded_len(raw)
+        + (5 if b"\\u" in text else 2) * unpadded
         + _COST_VALUE * values
-        + _COST_QUOTE * raw.count(b'"')
-        + _COST_COLON * raw.count(b":")
+        + _COST_QUOTE * text.count(b'"')
+        + _COST_COLON * text.count(b":")
         + _COST_DIGIT * digits
     )
 
@@ -826,21 +951,29 @@ def _unpadded_len(raw: bytes) -> int:
     return 0
 
 
-def _parse_budget(raw: bytes, version: int) -> int:
-    """What is left for the structure-dependent charges; negative: refuse the header."""
+def _table_cost(tensors: int, dims: int, storages: int) -> int:
+    """What parsing version-3 tables of these sizes allocates: checks and Python objects."""
+    return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
+
+
+def _parse_budget(header_len: int, text: bytes, version: int, table_cost: int = 0) -> int:
+    """What is left for the structure-dependent charges; negative: refuse the header.
+
+    ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3).
+    """
     factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
-    return factor * len(raw) + PARSE_SLACK - _parse_cost(raw)
+    return factor * header_len + PARSE_SLACK - _parse_cost(text) - table_cost
 
 
-def _padded(header: str, charged: int) -> str:
-    """``header`` with the trailing spaces that make it fit :data:`PARSE_AMPLIFICATION`.
+def _padded(text: bytes, binary_len: int, charged: int) -> bytes:
+    """JSON ``text`` with the trailing spaces that make its header fit :data:`PARSE_AMPLIFICATION`.
 
     A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
-    ``3p``.  Headers of large tensors and long names need none; 20,000 small tensors need
-    about 600 bytes each.
+    ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
+    what the tables and the tree's structure cost beyond the text's tokens.
     """
-    short = -_parse_budget(header.encode("ascii"), FORMAT_VERSION) + charged
-    return header + " " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
+    short = -_parse_budget(binary_len + len(text), text, FORMAT_VERSION) + charged
+    return text + b" " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
 
 
 # -- decoding -----------------------------------------------------------------------------
@@ -886,23 +1019,66 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
     if any(view[header_end + _CRC.size : total]):
         raise IntegrityError("non-zero bytes in the prefix padding")
     raw = bytes(view[FIXED_PREFIX_NBYTES:header_end])
-    budget = _parse_budget(raw, version)
+    tables = _split_tables(raw) if version >= 3 else None
+    json_start = 0 if tables is None else tables.nbytes
+    json_raw = raw[json_start:]  # the same object before version 3
+    table_cost = 0 if tables is None else _table_cost(*tables.counts)
+    budget = _parse_budget(header_len, json_raw, version, table_cost)
     if budget < 0:
         raise IntegrityError(
             f"header of {header_len} bytes is too dense: parsing it could allocate "
-            f"{_parse_cost(raw)} bytes, more than its format-{version} bound (docs/format.md)"
+            f"{_parse_cost(json_raw) + table_cost} bytes, more than its format-{version} bound "
+            "(docs/format.md)"
         )
     try:
-        text = raw.decode("ascii")
+        # Without the padding, which json.loads would only skip.
+        text = str(memoryview(json_raw)[: _unpadded_len(json_raw)], "ascii")
     except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
         raise IntegrityError(f"header is not ASCII: {exc}") from exc
-    del raw
+    del raw, json_raw
     try:
         doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
     del text
-    return _HeaderParser(total, version, budget).parse(doc)
+    return _HeaderParser(total, version, budget, tables).parse(doc)
+
+
+class _Tables(NamedTuple):
+    """The binary tables of a version-3 header, viewed in place (not yet validated)."""
+
+    tensors: np.ndarray[Any, Any]
+    dims: np.ndarray[Any, Any]
+    storages: np.ndarray[Any, Any]
+    nbytes: int
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return len(self.tensors), len(self.dims), len(self.storages)
+
+
+def _split_tables(raw: bytes) -> _Tables:
+    """The tables at the start of a version-3 header; their sizes checked against ``raw``."""
+    if len(raw) < _COUNTS.size:
+        raise _fail("tables", f"{len(raw)} bytes, the table counts alone take {_COUNTS.size}")
+    tensors, dims, storages, reserved = _COUNTS.unpack_from(raw)
+    if reserved:
+        raise _fail("tables", "the reserved count is not zero")
+    # Each count is checked against the bytes before it is multiplied: no overflow.
+    room = len(raw) - _COUNTS.size
+    at = _COUNTS.size
+    views = []
+    for name, count, record in (
+        ("tensor", tensors, TENSOR_RECORD),
+        ("dims", dims, np.dtype("<i8")),
+        ("storage", storages, STORAGE_RECORD),
+    ):
+        if count > room // record.itemsize:
+            raise _fail("tables", f"{count} {name} records do not fit in the {len(raw)}-byte header")
+        views.append(np.frombuffer(raw, record, count, at))
+        at += count * record.itemsize
+        room -= count * record.itemsize
+    return _Tables(views[0], views[1], views[2], at)
 
 
 def _reject_constant(name: str) -> Any:
@@ -964,7 +1140,11 @@ _DOC_KEYS: Final = frozenset(
         "tree",
     }
 )
+_DOC_KEYS_V3: Final = (_DOC_KEYS - {"storages", "tensors"}) | {"dtensors"}
 _DTENSOR_KEYS: Final = frozenset({"placements", "global_shape"})
+_EXACT_LIMIT: Final = 1 << 20
+"""Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
+are all below this (no sum can overflow); the others, rare, are checked one by one."""
 
 
 def _where(path: KeyPath) -> str:
@@ -1033,6 +1213,165 @@ _LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
 """Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""
 
 
+class _Specs(NamedTuple):
+    root: Node
+    tensors: tuple[TensorSpec, ...]
+
+
+class _Columns(NamedTuple):
+    """A validated tensor table as Python lists, one per column (``tolist`` is one C call)."""
+
+    storages: list[int]
+    codes: list[int]
+    ndims: list[int]
+    starts: list[int]
+    offsets: list[int]
+    kinds: list[int]
+    flags: list[int]
+    dims: list[int]
+
+
+def _first(bad: np.ndarray[Any, Any]) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Segment, ...]:
+    """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
+    offsets = records["offset"]
+    nbytes = records["nbytes"]
+    if records["reserved"].any():
+        raise _fail(f"storages[{_first(records['reserved'] != 0)}]", "the reserved field is not zero")
+    # Both below 2**63 once checked against the body, so their sums cannot overflow uint64.
+    over = (nbytes > body_nbytes) | (offsets > body_nbytes)
+    if over.any():
+        raise _fail(f"storages[{_first(over)}]", f"overruns the {body_nbytes}-byte body")
+    ends = offsets + nbytes
+    aligned = np.zeros(len(records), np.uint64)
+    aligned[1:] = (ends[:-1] + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+    misplaced = offsets != aligned
+    if misplaced.any():
+        i = _first(misplaced)
+        raise _fail(f"storages[{i}]", f"offset {offsets[i]} is not the aligned offset {aligned[i]}")
+    over = ends > body_nbytes
+    if over.any():
+        i = _first(over)
+        raise _fail(f"storages[{i}]", f"bytes [{offsets[i]}, {ends[i]}) overrun the {body_nbytes}-byte body")
+    end = int(ends[-1]) if len(ends) else 0
+    if end != body_nbytes:
+        raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
+    columns = zip(offsets.tolist(), nbytes.tolist(), records["crc32c"].tolist(), strict=True)
+    return tuple(map(Segment._make, columns))
+
+
+def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Columns:
+    """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
+    every tensor inside its storage.  The rare tensor with a dimension or stride of
+    :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
+    records, dims = tables.tensors, tables.dims
+    count = len(records)
+    storage = records["storage"].astype(np.int64)
+    code = records["dtype"].astype(np.int64)
+    ndim = records["ndim"].astype(np.int64)
+    kind = records["kind"]
+    flags = records["flags"]
+    offset = records["offset"]
+    for bad, what in (
+        (storage >= len(segments), f"storage is not one of the {len(segments)} storages"),
+        (code >= len(DTYPE_CODES), f"dtype code is not one of the {len(DTYPE_CODES)} allowed"),
+        (ndim > MAX_NDIM, f"more than {MAX_NDIM} dimensions"),
+        (kind >= len(_KIND_CODES), "kind code is not 0, 1 or 2"),
+        ((flags | _FLAGS) != _FLAGS, "unknown flag bits"),
+        (offset < 0, "negative storage offset"),
+    ):
+        if bad.any():
+            raise _fail(f"tensors[{_first(bad)}]", what)
+    if 2 * int(ndim.sum()) != len(dims):
+        raise _fail("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
+    if (dims < 0).any():
+        raise _fail("dims", "a negative size or stride")
+    floating = _CODE_FLOATING[code]
+    for bad, what in (
+        ((flags & FLAG_REQUIRES_GRAD != 0) & ~floating, "only floating or complex tensors require grad"),
+        ((flags & FLAG_CONJ != 0) & ~_CODE_COMPLEX[code], "only complex tensors have a conjugate bit"),
+        ((flags & FLAG_NEG != 0) & ~floating, "only floating or complex tensors have a negative bit"),
+        ((kind == 2) & (~_CODE_NUMPY[code] | (flags != 0)), "an ndarray needs a numpy dtype and no flags"),
+    ):
+        if bad.any():
+            raise _fail(f"tensors[{_first(bad)}]", what)
+    # Each tensor's sizes, then its strides, in the dims array; ``first`` is where its
+    # dimensions start among all tensors' dimensions, ``owner`` the tensor of each.
+    starts = np.zeros(count, np.int64)
+    np.cumsum(2 * ndim[:-1], out=starts[1:])
+    first = starts // 2
+    owner = np.repeat(np.arange(count), ndim)
+    size_at = np.repeat(starts, ndim) + np.arange(len(owner)) - np.repeat(first, ndim)
+    sizes = dims[size_at]
+    strides = dims[size_at + ndim[owner]]
+    empty = np.bincount(owner[sizes == 0], minlength=count) > 0
+    large = np.bincount(owner[(sizes >= _EXACT_LIMIT) | (strides >= _EXACT_LIMIT)], minlength=count) > 0
+    large |= offset >= _EXACT_LIMIT
+    # log2 of the product of the sizes but zeros (torch multiplies them in order, and fails
+    # on an overflow before a zero): near 2**63 the float is not trusted, checked exactly.
+    log_numel = np.bincount(owner, weights=np.log2(np.maximum(sizes, 1)), minlength=count)
+    large |= log_numel > 62
+    # Below the limit no term reaches 2**40, and no sum of up to 2**22 of them (a header
+    # cannot hold more dims) overflows int64.
+    terms = np.where(large[owner] | empty[owner], 0, (sizes - 1) * strides)
+    total = np.zeros(len(terms) + 1, np.int64)
+    np.cumsum(terms, out=total[1:])
+    last = offset + total[first + ndim] - total[first]
+    storage_nbytes = np.fromiter((s.nbytes for s in segments), np.int64, len(segments))
+    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > storage_nbytes[storage])
+    if past.any():
+        i = _first(past)
+        raise _fail(f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage")
+    if len(segments) and (np.bincount(storage, minlength=len(segments)) == 0).any():
+        raise _fail("storages", "a storage is not referenced by any tensor")
+    columns = _Columns(
+        storage.tolist(),
+        code.tolist(),
+        ndim.tolist(),
+        starts.tolist(),
+        offset.tolist(),
+        kind.tolist(),
+        flags.tolist(),
+        dims.tolist(),
+    )
+    for i in np.flatnonzero(large).tolist():
+        _check_extent(columns, i, segments)
+    return columns
+
+
+def _numel_overflows(size: Sequence[int]) -> bool:
+    """Whether torch's element count of ``size`` overflows int64.
+
+    Torch multiplies the sizes left to right and fails on the first overflow, even when a
+    later size is 0: (2**32, 2**32, 0) is refused, (0, 2**62, 2**62) is not.
+    """
+    product = 1
+    for n in size:
+        product *= n
+        if product >= _INT64:
+            return True
+    return False
+
+
+def _check_extent(columns: _Columns, i: int, segments: Sequence[Segment]) -> None:
+    """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
+    start, ndim = columns.starts[i], columns.ndims[i]
+    size = columns.dims[start : start + ndim]
+    stride = columns.dims[start + ndim : start + 2 * ndim]
+    where = f"tensors[{i}]"
+    if _numel_overflows(size):
+        raise _fail(where, f"shape {size} has too many elements")
+    if 0 in size:
+        return
+    last = columns.offsets[i] + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    nbytes = segments[columns.storages[i]].nbytes
+    if last >= _INT64 or (last + 1) * _CODE_DTYPES[columns.codes[i]].itemsize > nbytes:
+        raise _fail(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
+
+
 class _RawTensor(NamedTuple):
     storage: int
     dtype: torch.dtype
@@ -1047,21 +1386,27 @@ class _RawTensor(NamedTuple):
 class _HeaderParser:
     """Header JSON to :class:`ReplicaHeader`, checking every field."""
 
-    def __init__(self, prefix_len: int, version: int, budget: int) -> None:
+    def __init__(self, prefix_len: int, version: int, budget: int, tables: _Tables | None = None) -> None:
         self.prefix_len = prefix_len
         self.version = version
         self.budget = budget  # see _parse_cost
+        self.tables = tables
         self.containers = 0
         self.paths: list[KeyPath | None] = []
         self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
 
     def parse(self, doc: Any) -> ReplicaHeader:
-        doc = _object(doc, "document", _DOC_KEYS)
-        # The binary version set the parse bound; the JSON one says which nodes may appear.
-        schema = doc["format"]
-        if type(schema) is not int or schema not in READ_VERSIONS:
-            raise _fail("format", f"expected one of {sorted(READ_VERSIONS)}, got {schema!r:.40}")
-        self.version = schema
+        if self.tables is not None:
+            doc = _object(doc, "document", _DOC_KEYS_V3)
+            if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
+                raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
+        else:
+            doc = _object(doc, "document", _DOC_KEYS)
+            # The binary version set the parse bound; the JSON one says which nodes may appear.
+            schema = doc["format"]
+            if type(schema) is not int or schema not in (1, 2):
+                raise _fail("format", f"expected one of [1, 2], got {schema!r:.40}")
+            self.version = schema
         holder = doc["holder_rank"]
         checkpoint_id = doc["checkpoint_id"]
         if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
@@ -1070,23 +1415,11 @@ class _HeaderParser:
         if type(created) is not float or not math.isfinite(created):
             raise _fail("created", f"expected a finite float, got {created!r:.40}")
         body_nbytes = _int(doc["body_nbytes"], "body_nbytes")
-        segments = self.segments(_list(doc["storages"], "storages"), body_nbytes)
-        raw_tensors = [
-            self.tensor(t, f"tensors[{i}]", segments) for i, t in enumerate(_list(doc["tensors"], "tensors"))
-        ]
-        self.paths = [None] * len(raw_tensors)
-        root = self.node(doc["tree"], (), 0)
-        unused = [i for i, p in enumerate(self.paths) if p is None]
-        if unused:
-            raise _fail("tensors", f"tensor {unused[0]} is not referenced by the tree")
-        if len({t.storage for t in raw_tensors}) != len(segments):
-            raise _fail("storages", "a storage is not referenced by any tensor")
-        specs = tuple(
-            TensorSpec(path, t.storage, t.dtype, t.size, t.stride, t.offset, t.kind, t.requires_grad)
-            for t, path in zip(raw_tensors, self.paths, strict=True)
-            if path is not None
-        )
-        plan = StagePlan(root, specs, tuple(StorageSpec(s.nbytes, _CPU) for s in segments))
+        if self.tables is not None:
+            segments, specs, notes = self.tables_v3(self.tables, body_nbytes, doc)
+        else:
+            segments, specs, notes = self.tables_v2(doc, body_nbytes)
+        plan = StagePlan(specs.root, specs.tensors, tuple(StorageSpec(s.nbytes, _CPU) for s in segments))
         return ReplicaHeader(
             owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
             holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
@@ -1097,9 +1430,93 @@ class _HeaderParser:
             prefix_nbytes=self.prefix_len,
             segments=segments,
             plan=plan,
-            dtensors=tuple(t.note for t in raw_tensors),
+            dtensors=notes,
             version=self.version,
         )
+
+    def tables_v2(
+        self, doc: dict[str, Any], body_nbytes: int
+    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
+        """Storages and tensors as JSON lists (versions 1 and 2), then the tree."""
+        segments = self.segments(_list(doc["storages"], "storages"), body_nbytes)
+        raw_tensors = [
+            self.tensor(t, f"tensors[{i}]", segments) for i, t in enumerate(_list(doc["tensors"], "tensors"))
+        ]
+        self.paths = [None] * len(raw_tensors)
+        root = self.node(doc["tree"], (), 0)
+        paths = self.all_paths()
+        if len({t.storage for t in raw_tensors}) != len(segments):
+            raise _fail("storages", "a storage is not referenced by any tensor")
+        specs = tuple(
+            TensorSpec(path, t.storage, t.dtype, t.size, t.stride, t.offset, t.kind, t.requires_grad)
+            for t, path in zip(raw_tensors, paths, strict=True)
+        )
+        return segments, _Specs(root, specs), tuple(t.note for t in raw_tensors)
+
+    def all_paths(self) -> list[KeyPath]:
+        unused = [i for i, p in enumerate(self.paths) if p is None]
+        if unused:
+            raise _fail("tensors", f"tensor {unused[0]} is not referenced by the tree")
+        return self.paths  # type: ignore[return-value]  # no None left
+
+    def tables_v3(
+        self, tables: _Tables, body_nbytes: int, doc: dict[str, Any]
+    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
+        """The binary tables (version 3), checked column by column, then the tree."""
+        self.paths = [None] * len(tables.tensors)
+        # The JSON tree goes as soon as it is walked: the specs below are the peak.
+        tree = doc.pop("tree")
+        root = self.node(tree, (), 0)
+        del tree
+        paths = self.all_paths()
+        segments = _storage_table(tables.storages, body_nbytes)
+        columns = _check_tensor_table(tables, segments)
+        notes = self.dtensor_notes(doc["dtensors"], columns.kinds)
+        dims = columns.dims
+        specs = tuple(
+            TensorSpec(
+                path,
+                storage,
+                _CODE_DTYPES[code],
+                tuple(dims[start : start + ndim]),
+                tuple(dims[start + ndim : start + 2 * ndim]),
+                offset,
+                _KIND_CODES[kind],
+                flags & FLAG_REQUIRES_GRAD != 0,
+                flags & FLAG_CONJ != 0,
+                flags & FLAG_NEG != 0,
+            )
+            for path, storage, code, ndim, start, offset, kind, flags in zip(
+                paths,
+                columns.storages,
+                columns.codes,
+                columns.ndims,
+                columns.starts,
+                columns.offsets,
+                columns.kinds,
+                columns.flags,
+                strict=True,
+            )
+        )
+        return segments, _Specs(root, specs), notes
+
+    def dtensor_notes(self, raw: Any, kinds: list[int]) -> tuple[DTensorNote | None, ...]:
+        notes: list[DTensorNote | None] = [None] * len(kinds)
+        last = -1
+        for entry in _list(raw, "dtensors"):
+            if type(entry) is not list or len(entry) != 3:
+                raise _fail("dtensors", f"expected [index, placements, global_shape], got {entry!r:.80}")
+            index, placements, global_shape = entry
+            if type(index) is not int or not last < index < len(kinds) or kinds[index] == 2:
+                raise _fail(
+                    "dtensors", f"index {index!r:.40} is not a later tensor of kind tensor or parameter"
+                )
+            if type(placements) is not str:
+                raise _fail("dtensors", "placements must be a str")
+            notes[index] = DTensorNote(placements, _dims(global_shape, "dtensors", "global_shape"))
+            self.charge(_COST_PATH + 8 * len(global_shape) + len(placements))
+            last = index
+        return tuple(notes)
 
     @staticmethod
     def segments(raw: list[Any], body_nbytes: int) -> tuple[Segment, ...]:
@@ -1141,7 +1558,7 @@ class _HeaderParser:
             raise _fail(where, f"{len(strides)} strides for {len(size)} dimensions")
         if type(offset) is not int or not 0 <= offset < _INT64:
             raise _fail(where, f"offset {offset!r:.40} is not an int in [0, 2**63)")
-        if math.prod(size) >= _INT64:
+        if _numel_overflows(size):
             raise _fail(where, f"shape {size} has too many elements")
         if 0 not in size:
             last = offset
@@ -1226,24 +1643,46 @@ class _HeaderParser:
             values = _list(values, where, len(keys))
             if len(dict.fromkeys(keys)) != len(keys):
                 raise _fail(where, "duplicate dict key")
-            nodes = tuple(self.node(v, (*path, k), depth + 1) for k, v in zip(keys, values, strict=True))
+            nodes = self.children(keys, values, path, depth)
             attrs = self.attrs(more[0], path, depth) if more else ()
             proto: dict[Any, Any] | None = None if tag == "dict" else collections.OrderedDict()
             node = DictNode(self.containers, tuple(keys), nodes, proto, attrs)
         elif tag in ("list", "tuple"):
             items = _list(_list(raw, where, 2)[1], where)
-            nodes = tuple(self.node(v, (*path, i), depth + 1) for i, v in enumerate(items))
+            nodes = self.children(range(len(items)), items, path, depth)
             node = SeqNode(self.containers, list if tag == "list" else tuple, nodes, None, ())
         elif tag == "namedtuple":
             _, typename, fields, items = _list(raw, where, 4)
             fields = _list(fields, where)
             items = _list(items, where, len(fields))
-            nodes = tuple(self.node(v, (*path, i), depth + 1) for i, v in enumerate(items))
+            nodes = self.children(range(len(items)), items, path, depth)
             node = SeqNode(self.containers, self.namedtuple(typename, fields, where), nodes, None, ())
         else:
             raise _fail(where, f"unknown or malformed node {raw!r:.80}")
         self.containers += 1
         return node
+
+    def children(self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int) -> tuple[Node, ...]:
+        # Tensor references are the bulk of a tree: checked inline, a key path made only for
+        # a tensor's first reference (the same checks as node()).
+        out: list[Node] = []
+        append = out.append
+        paths = self.paths
+        for key, raw in zip(keys, raws, strict=True):
+            if (
+                type(raw) is list
+                and len(raw) == 2
+                and raw[0] == "tensor"
+                and type(raw[1]) is int
+                and 0 <= raw[1] < len(paths)
+            ):
+                if paths[raw[1]] is None:
+                    paths[raw[1]] = child = (*path, key)
+                    self.charge(_COST_PATH + 8 * len(child))
+                append(TensorNode(raw[1]))
+            else:
+                append(self.node(raw, (*path, key), depth + 1))
+        return tuple(out)
 
     def attrs(self, raw: Any, path: KeyPath, depth: int) -> tuple[tuple[str, Node], ...]:
         if type(raw) is not dict or not raw or not all(_attr_name_ok(name) for name in raw):

@@ -336,15 +336,35 @@ class ReplicationStager(anyio.abc.AsyncResource):
             raise
 
     async def replicate_staged(
-        self, staged: Any, *, step: int = 0, checkpoint_id: str | None = None
+        self,
+        staged: Any,
+        *,
+        step: int = 0,
+        checkpoint_id: str | None = None,
+        encoded: Encoded | None = None,
     ) -> ReplicationResult:
         """Like :meth:`replicate` for a state_dict that is already staged (CPU tensors).
 
         ``staged`` must not change until this returns.
+
+        :param encoded: ``staged`` already encoded (by :func:`astage._format.encode`, with
+            this ``step`` and ``checkpoint_id``): its body and checksums are sent as they are,
+            only its prefix is made again with this rank's ranks.  The Checkpointer passes
+            the one it writes locally, so that a save is encoded once.
+        :raises ConfigurationError: ``encoded`` was made for another step or checkpoint id,
+            or not by ``encode``.
         """
         self._check_usable()
         _check_call(step, checkpoint_id)
-        return await self._replicate(staged, step, checkpoint_id, None)
+        if encoded is not None and (
+            encoded.layout is None
+            or checkpoint_id is None
+            or (encoded.layout.step, encoded.layout.checkpoint_id) != (step, checkpoint_id)
+        ):
+            raise ConfigurationError(
+                "encoded must come from encode() with the same step and checkpoint_id as this call"
+            )
+        return await self._replicate(staged, step, checkpoint_id, None, encoded)
 
     @property
     def phase(self) -> ReplicationPhase:
@@ -366,7 +386,12 @@ class ReplicationStager(anyio.abc.AsyncResource):
             )
 
     async def _replicate(
-        self, staged: Any, step: int, checkpoint_id: str | None, stage_stats: StageStats | None
+        self,
+        staged: Any,
+        step: int,
+        checkpoint_id: str | None,
+        stage_stats: StageStats | None,
+        shared: Encoded | None = None,
     ) -> ReplicationResult:
         await self._start()
         if self._lock is None:
@@ -379,10 +404,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
-                # Boxed: the worker thread must not keep the replica, which views the
-                # staged buffers, once this resumes (see astage._threads).
-                encoded: Encoded = await run_sync(
-                    functools.partial(
+                if shared is not None:  # the body and checksums as they are, a new prefix
+                    make = functools.partial(shared.relabel, owner_rank=self.rank, holder_rank=self.send_to)
+                else:
+                    make = functools.partial(
                         encode,
                         staged,
                         owner_rank=self.rank,
@@ -390,7 +415,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
                         step=step,
                         checkpoint_id=ckpt,
                     )
-                )
+                # Boxed: the worker thread must not keep the replica, which views the
+                # staged buffers, once this resumes (see astage._threads).
+                encoded: Encoded = await run_sync(make)
+                del shared, make
             encoded_at = time.perf_counter()
             path = replica_path(
                 self.storage_dir,

@@ -168,3 +168,16 @@ def test_gpu_validate_reports_a_failed_phase_and_goes_on(tmp_path: Path) -> None
     assert re.search(r"## GPU-marked tests .*: failed \(exit status 4\)", report)
     assert re.search(r"## GPU staging benchmark .*: failed \(exit status 2\)", report)
     assert "invalid choice" in report  # the failing phase's own output is kept
+
+
+def test_bench_format_quick_prints_the_cost_a_tensor() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_format", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for step in ("lay_out", "encode", "relabel", "parse_prefix", "decode"):
+        assert step in done.stdout

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import astage
+import astage._format
 from astage._format import encode
 from astage._persist import find_replicas, is_temp_name, replica_path, temp_path_for, write_replica
 from tests.distributed import run_group
@@ -137,6 +138,25 @@ class FetchingReplicator(DirectoryReplicator):
     async def fetch_replica(self, step: int) -> Path | None:
         found = await anyio.to_thread.run_sync(find_replicas, self.directory)
         return next((r.path for r in found if r.step == step and r.owner_rank == self.rank), None)
+
+
+class SharingReplicator(DirectoryReplicator):
+    """A replicator that takes the save's encoded replica (``encoded=``) and writes it
+    relabelled, as :class:`astage.ReplicationStager` does."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.received: list[astage._format.Encoded | None] = []
+
+    async def replicate_staged(  # type: ignore[override]
+        self, staged: Any, *, step: int, checkpoint_id: str, encoded: astage._format.Encoded | None = None
+    ) -> Path:
+        self.received.append(encoded)
+        assert encoded is not None
+        replica = await anyio.to_thread.run_sync(
+            functools.partial(encoded.relabel, owner_rank=self.rank, holder_rank=1)
+        )
+        return await write_replica(replica_path(self.directory, owner_rank=self.rank, holder_rank=1), replica)
 
 
 # -- saving and restoring -----------------------------------------------------------------
@@ -973,3 +993,40 @@ def test_the_public_names_are_exported() -> None:
     for name in ("Checkpointer", "SaveStats", "SaveEvent", "SaveHandle", "Replicator", "ReplicaSource"):
         assert name in astage.__all__
         assert getattr(astage, name).__module__ == "astage._checkpointer"
+
+
+@pytest.mark.anyio
+async def test_a_replicated_save_is_encoded_and_checksummed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On main the local file and the replica were each encoded from the staged copy.
+    encodes: list[int] = []
+    original = astage._format.ReplicaLayout.encode
+
+    def counted(layout: astage._format.ReplicaLayout) -> astage._format.Encoded:
+        encodes.append(layout.step)
+        return original(layout)
+
+    monkeypatch.setattr(astage._format.ReplicaLayout, "encode", counted)
+    replicator = SharingReplicator(tmp_path / "peer")
+    async with astage.Checkpointer(tmp_path / "ckpt", replication=replicator) as ckpt:
+        await (await ckpt.save(3, model_state(3))).wait()
+    assert encodes == [3]
+    [shared] = replicator.received
+    assert shared is not None
+    assert shared.header.step == 3
+    local = (tmp_path / "ckpt" / "step_0000000003" / "rank00000.astage").read_bytes()
+    replica = replica_path(tmp_path / "peer", owner_rank=0, holder_rank=1).read_bytes()
+    local_header, replica_header = astage._format.parse_prefix(local), astage._format.parse_prefix(replica)
+    assert (local_header.holder_rank, replica_header.holder_rank) == (None, 1)
+    assert local_header.segments == replica_header.segments
+    assert local[local_header.prefix_nbytes :] == replica[replica_header.prefix_nbytes :]
+
+
+@pytest.mark.anyio
+async def test_a_replicator_without_encoded_is_called_the_plain_way(tmp_path: Path) -> None:
+    replicator = DirectoryReplicator(tmp_path / "peer")
+    async with astage.Checkpointer(tmp_path / "ckpt", replication=replicator) as ckpt:
+        await (await ckpt.save(1, model_state(1))).wait()
+    assert replicator.calls == [1]
+    assert replica_path(tmp_path / "peer", owner_rank=0, holder_rank=1).exists()

@@ -436,7 +436,8 @@ def test_the_install_ships_the_benchmarks_and_a_typo_lists_them(
 ) -> None:
     done = astage_cli("bench", "stagign", cwd=tmp_path, env=installed)
     assert done.returncode == 2
-    assert "no benchmark named 'stagign'; the benchmarks are: gpu, replication, staging" in done.stderr
+    listed = "the benchmarks are: format, gpu, replication, staging"
+    assert f"no benchmark named 'stagign'; {listed}" in done.stderr
 
 
 @pytest.mark.parametrize("terminal", [False, True])

@@ -11,6 +11,7 @@ import pickle
 import struct
 import tracemalloc
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import crc32c
@@ -33,6 +34,8 @@ from astage._format import (
     MAX_NDIM,
     PARSE_AMPLIFICATION,
     PARSE_SLACK,
+    STORAGE_RECORD,
+    TENSOR_RECORD,
     BodyVerifier,
     decode,
     encode,
@@ -402,16 +405,20 @@ def test_unsupported_leaves_name_their_key_path(value: Any, fragment: str) -> No
     assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("make", "fragment"),
-    [(_conj, "conjugate"), (_neg, "negative"), (_with_attr, "attributes")],
-    ids=["conj", "neg", "attrs"],
-)
-def test_unsupported_tensors_name_their_key_path(make: Any, fragment: str) -> None:
+def test_tensors_carrying_attributes_name_their_key_path() -> None:
     with pytest.raises(astage.UnsupportedInputError) as info:
-        encode({"opt": [make()]}, owner_rank=0, step=0, checkpoint_id="")
+        encode({"opt": [_with_attr()]}, owner_rank=0, step=0, checkpoint_id="")
     assert info.value.key_path == ("opt", 0)
-    assert fragment in str(info.value)
+    assert "attributes" in str(info.value)
+
+
+def test_lazy_conjugate_and_negative_views_round_trip() -> None:
+    # Version 3 keeps the bits in its tensor table; version 2 refused such tensors.
+    state = {"conj": _conj(), "neg": _neg(), "both": torch._neg_view(_conj())}
+    back = read(replica_bytes(state))
+    for key, tensor in state.items():
+        assert torch.equal(back[key], tensor), key
+        assert (back[key].is_conj(), back[key].is_neg()) == (tensor.is_conj(), tensor.is_neg()), key
 
 
 def test_dtype_outside_the_allow_list_is_refused() -> None:
@@ -520,14 +527,18 @@ def assert_rejected(data: bytes, what: str) -> None:
 
 
 def test_a_bit_flip_anywhere_is_detected() -> None:
-    data = replica_bytes(SMALL)
+    # A fixed timestamp: the prefix padding would vanish for some lengths of "created".
+    data = replica_bytes(SMALL, created=1.5)
     header = parse_prefix(data)
     json_end = FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]
+    tables_end = FIXED_PREFIX_NBYTES + 32 + 16 * 2 + 8 * 6 + 24 * 2  # counts, 2 tensors, 6 dims, 2 storages
+    assert data[tables_end : tables_end + 1] == b"{"
     regions = {
         "magic": range(0, 8),
         "version": range(8, 12),
         "length": range(12, FIXED_PREFIX_NBYTES),
-        "header json": range(FIXED_PREFIX_NBYTES, json_end),
+        "header tables": range(FIXED_PREFIX_NBYTES, tables_end),
+        "header json": range(tables_end, json_end),
         "header crc": range(json_end, json_end + 4),
         "prefix padding": range(json_end + 4, header.prefix_nbytes),
         "body": range(header.prefix_nbytes, len(data)),
@@ -607,8 +618,8 @@ def test_wrong_magic_and_version_are_named() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="magic"):
         parse_prefix(b"PK\x03\x04" + data[4:])
-    with pytest.raises(astage.IntegrityError, match="version 3"):
-        parse_prefix(data[:8] + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 4"):
+        parse_prefix(data[:8] + struct.pack("<I", 4) + data[12:])
     with pytest.raises(astage.IntegrityError, match="version 0"):
         parse_prefix(data[:8] + struct.pack("<I", 0) + data[12:])
 
@@ -621,8 +632,9 @@ class _Boom:
 
 
 def _forge(header_json: bytes) -> bytes:
-    """A prefix around arbitrary header bytes with a correct checksum: a deliberate forgery."""
-    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header_json)) + header_json
+    """A version-2 prefix around arbitrary header bytes with a correct checksum: a deliberate
+    forgery (version 2 headers are JSON alone; the version-3 tables have tests of their own)."""
+    head = MAGIC + struct.pack("<IQ", 2, len(header_json)) + header_json
     head += struct.pack("<I", crc32c.crc32c(head))
     return head + bytes(-len(head) % ALIGNMENT)
 
@@ -636,10 +648,17 @@ def test_a_pickle_payload_is_rejected_without_running() -> None:
     assert not _Boom.ran
 
 
+# The header a version-2 astage wrote for {"w": zeros(4), "pair": Point(1, ones(2, int64))}.
+_VERSION_2_DOC = (
+    '{"format":1,"owner_rank":3,"holder_rank":null,"step":7,"checkpoint_id":"ckpt",'
+    '"created":1796035236.2375216,"body_nbytes":80,"tensors":[[0,"float32",[4],[1],0,"tensor",false],'
+    '[1,"int64",[2],[1],0,"tensor",false]],"tree":["dict",["w","pair"],[["tensor",0],'
+    '["namedtuple","Point",["x","y"],[1,["tensor",1]]]]],"storages":[[0,16,1114675946],[64,16,4181781043]]}'
+)
+
+
 def _doc() -> dict[str, Any]:
-    data = replica_bytes({"w": torch.zeros(4), "pair": Point(1, torch.ones(2, dtype=torch.int64))})
-    length = struct.unpack_from("<Q", data, 12)[0]
-    doc: dict[str, Any] = json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])
+    doc: dict[str, Any] = json.loads(_VERSION_2_DOC)
     return doc
 
 
@@ -762,6 +781,113 @@ def test_malformed_json_is_rejected(raw: bytes) -> None:
         parse_prefix(_forge(raw))
 
 
+# -- the version-3 tables ----------------------------------------------------------------------
+
+_Edit = Callable[[list[int], Any, Any, Any], object]
+
+
+def _table_edit(edit: _Edit, state: Any = None) -> bytes:
+    """A version-3 replica of ``state`` (default ``SMALL``: a 2x3 float32 and a 3-element int8
+    tensor) whose tables ``edit(counts, tensors, dims, storages)`` changed, checksum right."""
+    data = replica_bytes(SMALL if state is None else state, created=1.5)
+    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]]
+    counts = list(struct.unpack_from("<QQQQ", header))
+    at = 32
+    tables = []
+    for record, count in (
+        (TENSOR_RECORD, counts[0]),
+        (np.dtype("<i8"), counts[1]),
+        (STORAGE_RECORD, counts[2]),
+    ):
+        tables.append(np.frombuffer(header, record, count, at).copy())
+        at += record.itemsize * count
+    edit(counts, *tables)
+    edited = struct.pack("<QQQQ", *counts) + b"".join(t.tobytes() for t in tables) + header[at:]
+    return _forge_version(edited, FORMAT_VERSION) + data[parse_prefix(data).prefix_nbytes :]
+
+
+def _set(table: int, index: int, field: str | None, value: int) -> _Edit:
+    def edit(counts: list[int], *tables: Any) -> None:
+        if field is None:
+            tables[table][index] = value
+        else:
+            tables[table][field][index] = value
+
+    return edit
+
+
+def _set_count(index: int, value: int) -> _Edit:
+    return lambda counts, *tables: counts.__setitem__(index, value)
+
+
+_T, _D, _S = 0, 1, 2
+_HOSTILE_TABLES: dict[str, tuple[_Edit, str]] = {
+    "storage index": (_set(_T, 1, "storage", 2), "storages"),
+    "dtype code": (_set(_T, 0, "dtype", 255), "dtype code"),
+    "ndim over the cap": (_set(_T, 0, "ndim", MAX_NDIM + 1), "dimensions"),
+    "ndim off the dims": (_set(_T, 0, "ndim", 1), "dims"),
+    "kind code": (_set(_T, 0, "kind", 3), "kind"),
+    "unknown flag": (_set(_T, 0, "flags", 8), "flag"),
+    "negative offset": (_set(_T, 0, "offset", -1), "negative"),
+    "int8 requiring grad": (_set(_T, 1, "flags", 1), "require grad"),
+    "float32 with a conjugate bit": (_set(_T, 0, "flags", 2), "conjugate"),
+    "int8 with a negative bit": (_set(_T, 1, "flags", 4), "negative bit"),
+    "int8 as an ndarray with grad": (_set(_T, 1, "kind", 2), "ndarray"),  # flags 0: int8 is fine...
+    "negative size": (_set(_D, 0, None, -2), "negative"),
+    "size past its storage": (_set(_D, 0, None, 3), "past its"),
+    "stride past its storage": (_set(_D, 3, None, 2), "past its"),
+    "offset past its storage": (_set(_T, 0, "offset", 1), "past its"),
+    "huge size past its storage": (_set(_D, 0, None, 1 << 40), "past its"),
+    "huge offset past its storage": (_set(_T, 0, "offset", 1 << 62), "past its"),
+    "misaligned storage": (_set(_S, 1, "offset", 17), "aligned"),
+    "overlapping storage": (_set(_S, 1, "offset", 0), "aligned"),
+    "storage past the body": (_set(_S, 1, "nbytes", 1 << 62), "overrun"),
+    "storage reserved bits": (_set(_S, 0, "reserved", 1), "reserved"),
+    "reserved count": (_set_count(3, 1), "reserved"),
+    "tensor count past the header": (_set_count(0, 1 << 60), "do not fit"),
+    "dims count past the header": (_set_count(1, (1 << 64) - 1), "do not fit"),
+    "storage count past the header": (_set_count(2, 1 << 40), "do not fit"),
+}
+_HOSTILE_TABLES["int8 as an ndarray with grad"] = (
+    lambda counts, t, d, s: (t["kind"].__setitem__(1, 2), t["flags"].__setitem__(1, 1)),
+    "grad",
+)
+
+
+@pytest.mark.parametrize(("edit", "fragment"), list(_HOSTILE_TABLES.values()), ids=list(_HOSTILE_TABLES))
+def test_hostile_tables_are_integrity_errors(edit: _Edit, fragment: str) -> None:
+    with pytest.raises(astage.IntegrityError, match="header") as info:
+        read(_table_edit(edit))
+    assert fragment in str(info.value)
+
+
+def test_a_bfloat16_ndarray_or_a_dtensor_note_on_one_is_refused() -> None:
+    state = {"a": np.arange(4, dtype=np.float32), "t": torch.zeros(2, dtype=torch.bfloat16)}
+    bfloat16 = list(DTYPES).index("bfloat16")
+    with pytest.raises(astage.IntegrityError, match="ndarray"):
+        parse_prefix(_table_edit(lambda c, t, d, s: t["dtype"].__setitem__(0, bfloat16), state))
+
+
+def test_an_element_count_past_2_63_is_refused_even_with_zero_strides() -> None:
+    def edit(counts: list[int], t: Any, d: Any, s: Any) -> None:
+        d[:4] = [1 << 32, 1 << 32, 0, 0]  # 2**64 elements, all at offset 0
+
+    with pytest.raises(astage.IntegrityError, match="too many elements"):
+        parse_prefix(_table_edit(edit))
+
+
+def test_an_unreferenced_storage_is_refused() -> None:
+    with pytest.raises(astage.IntegrityError, match="not referenced"):
+        parse_prefix(_table_edit(_set(_T, 1, "storage", 0)))
+
+
+def test_the_table_forgery_helper_makes_valid_replicas() -> None:
+    assert_same_tree(SMALL, read(_table_edit(lambda *tables: None)))
+    # Large values go the exact way and pass when they fit: a 2**21-element view of 2**21 bytes.
+    big = {"v": torch.zeros(1 << 21, dtype=torch.uint8)}
+    assert torch.equal(read(_table_edit(lambda *tables: None, big))["v"], big["v"])
+
+
 def test_the_forgery_helper_makes_valid_prefixes() -> None:
     assert parse_prefix(_forge(json.dumps(_doc()).encode())).num_tensors == 2
     assert parse_prefix(_forge(json.dumps(_with_attrs("odict", {"_metadata": 1})).encode())).num_tensors == 2
@@ -864,6 +990,13 @@ _Pair = collections.namedtuple("_Pair", ["a", "b"])
 
 _DENSE_STATES: dict[str, Any] = {
     "3k small tensors": lambda: {f"k{i}": torch.zeros(i % 7 + 1) for i in range(3_000)},
+    "3k tensors in a list": lambda: {"l": [torch.zeros(1) for _ in range(3_000)]},
+    "3k views of one storage": lambda: {"l": list(torch.zeros(3_000).unbind())},
+    "3k 4-d tensors": lambda: {f"k{i}": torch.zeros(1, 1, 1, 1) for i in range(3_000)},
+    "3k views with distinct large sizes": lambda: {
+        f"k{i}": torch.zeros(1).as_strided((0, 1000 + i, 2000 + i), (1, 3000 + i, 1), 10**5 + i)
+        for i in range(3_000)
+    },
     "tensors 120 deep": lambda: _deep(500, 120),
     "30k zeros": lambda: {"z": [0] * 30_000},
     "10k empty lists": lambda: {"z": [[] for _ in range(10_000)]},
@@ -893,5 +1026,82 @@ def test_an_unpadded_dense_header_is_refused_before_parsing() -> None:
     header = encoded.prefix[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len]
     assert header.endswith(b" ")
     with pytest.raises(astage.IntegrityError, match="too dense"):
-        parse_prefix(_forge(header.rstrip(b" ")))
-    assert parse_prefix(_forge(header)).num_tensors == 0  # the padded one is fine
+        parse_prefix(_forge_version(header.rstrip(b" "), FORMAT_VERSION))
+    assert parse_prefix(_forge_version(header, FORMAT_VERSION)).num_tensors == 0  # the padded one is fine
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_empty_shape_whose_sizes_overflow_before_the_zero_is_refused(version: int) -> None:
+    # Torch refuses (2**32, 2**32, 0) ("numel: integer multiplication overflow"): a header
+    # that passed would fail only when rebuilt, after a receiver had accepted it (found by
+    # the fuzzer).  (0, 2**62, 2**62) is fine: the product is 0 before it could overflow.
+    if version == 3:
+
+        def sizes(first: list[int]) -> bytes:
+            state = {"e": torch.zeros(2, 2, 0)}
+            return _table_edit(lambda c, t, d, s: d.__setitem__(slice(0, 3), first), state)
+
+        bad, fine = sizes([1 << 32, 1 << 32, 0]), sizes([0, 1 << 62, 1 << 62])
+    else:
+
+        def sizes_v2(first: list[int]) -> bytes:
+            doc = _doc()
+            doc["tensors"][0][2:4] = [first, [1, 1, 1]]
+            return _forge(json.dumps(doc).encode())
+
+        bad, fine = sizes_v2([1 << 32, 1 << 32, 0]), sizes_v2([0, 1 << 62, 1 << 62])
+    assert parse_prefix(fine).plan.tensors[0].size == (0, 1 << 62, 1 << 62)
+    with pytest.raises(astage.IntegrityError, match="too many elements"):
+        parse_prefix(bad)
+
+
+def test_relabel_makes_another_ranks_prefix_over_the_same_body() -> None:
+    encoded = encode(SMALL, owner_rank=3, step=7, checkpoint_id="ckpt", created=1.5)
+    relabelled = encoded.relabel(owner_rank=5, holder_rank=2)
+    assert relabelled.segments is encoded.segments  # the body is shared, not copied
+    header = relabelled.header
+    assert (header.owner_rank, header.holder_rank, header.step, header.checkpoint_id) == (5, 2, 7, "ckpt")
+    assert header.segments == encoded.header.segments  # the checksums are kept
+    assert_same_tree(SMALL, read(b"".join(relabelled.buffers())))
+    with pytest.raises(astage.ConfigurationError, match="holder_rank"):
+        encoded.relabel(owner_rank=0, holder_rank=-1)
+    received = astage._format.Encoded(encoded.prefix, encoded.segments, encoded.body_nbytes)
+    with pytest.raises(astage.ConfigurationError, match="relabel"):
+        received.relabel(owner_rank=0, holder_rank=1)
+
+
+def _json_edit(state: Any, edit: Callable[[dict[str, Any]], object]) -> bytes:
+    """A version-3 prefix of ``state`` whose JSON ``edit`` changed (tables kept), checksum right."""
+    data = replica_bytes(state, created=1.5)
+    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]]
+    start = header.index(b'{"format":3,')
+    doc = json.loads(header[start:])
+    edit(doc)
+    return _forge_version(header[:start] + json.dumps(doc).encode(), FORMAT_VERSION)
+
+
+@pytest.mark.parametrize(
+    "notes",
+    [
+        [[2, "(Shard(dim=0),)", [4]]],  # no such tensor
+        [[1, "(Shard(dim=0),)", [4]], [0, "(Replicate(),)", [2, 3]]],  # not increasing
+        [[0, 7, [4]]],  # placements not a str
+        [[0, "(Shard(dim=0),)", [-1]]],  # a negative global size
+        [[0, "(Shard(dim=0),)"]],  # not three fields
+    ],
+    ids=["index", "order", "placements", "global shape", "arity"],
+)
+def test_malformed_dtensor_notes_are_integrity_errors(notes: list[Any]) -> None:
+    data = _json_edit(SMALL, lambda doc: doc.update(dtensors=notes))
+    with pytest.raises(astage.IntegrityError, match="dtensors"):
+        parse_prefix(data)
+
+
+def test_a_dtensor_note_on_an_ndarray_is_an_integrity_error() -> None:
+    state = {"a": np.arange(3, dtype=np.int64), "w": torch.zeros(2)}
+    data = _json_edit(state, lambda doc: doc.update(dtensors=[[0, "(Shard(dim=0),)", [6]]]))
+    with pytest.raises(astage.IntegrityError, match="dtensors"):
+        parse_prefix(data)
+    note = parse_prefix(_json_edit(state, lambda doc: doc.update(dtensors=[[1, "p", [4]]]))).dtensors[1]
+    assert note is not None
+    assert (note.placements, note.global_shape) == ("p", (4,))

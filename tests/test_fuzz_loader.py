@@ -66,6 +66,8 @@ from astage._format import (
     HEADER_CAP,
     MAGIC,
     NUMPY_DTYPES,
+    STORAGE_RECORD,
+    TENSOR_RECORD,
     decode,
     encode,
     parse_prefix,
@@ -214,29 +216,48 @@ def replicas(draw: st.DrawFn) -> bytes:
 
 _HEADER = struct.Struct("<8sIQ")
 _CRC = struct.Struct("<I")
+_COUNTS = struct.Struct("<QQQQ")
 
 
-def _split(data: bytes) -> tuple[Any, bytes] | None:
-    """The header JSON and the body of ``data``, if its header still parses as JSON."""
+def _tables_len(header: bytes) -> int | None:
+    """Length of the binary tables that open a version-3 header, if its counts fit."""
+    if len(header) < _COUNTS.size:
+        return None
+    tensors, dims, storages, _ = _COUNTS.unpack_from(header)
+    end = _COUNTS.size + TENSOR_RECORD.itemsize * tensors + 8 * dims + STORAGE_RECORD.itemsize * storages
+    return end if end <= len(header) else None
+
+
+def _split(data: bytes) -> tuple[bytes, Any, bytes] | None:
+    """The header's binary tables (version 3, else empty), its JSON and the body of ``data``,
+    if its header still parses as JSON."""
     if len(data) < FIXED_PREFIX_NBYTES:
         return None
-    length = _HEADER.unpack_from(data)[2]
+    _, version, length = _HEADER.unpack_from(data)
     end = FIXED_PREFIX_NBYTES + length
     if end + _CRC.size > len(data):
         return None
+    header = data[FIXED_PREFIX_NBYTES:end]
+    tables_len = _tables_len(header) if version >= 3 else 0
+    if tables_len is None:
+        return None
     try:
-        doc = json.loads(data[FIXED_PREFIX_NBYTES:end])
+        doc = json.loads(header[tables_len:])
     except (ValueError, RecursionError):
         return None
     prefix = -(-(end + _CRC.size) // ALIGNMENT) * ALIGNMENT
-    return doc, data[prefix:]
+    return header[:tables_len], doc, data[prefix:]
 
 
-def forge(header: bytes, body: bytes) -> bytes:
+def forge(header: bytes, body: bytes, version: int = FORMAT_VERSION) -> bytes:
     """A prefix around ``header`` with a correct checksum and padding, then ``body``."""
-    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header
+    head = MAGIC + struct.pack("<IQ", version, len(header)) + header
     head += _CRC.pack(crc32c.crc32c(head))
     return head + bytes(-len(head) % ALIGNMENT) + body
+
+
+def _join(tables: bytes, doc: Any) -> bytes:
+    return tables + json.dumps(doc, separators=(",", ":")).encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +338,7 @@ class EditHeader:
         split = _split(data)
         if split is None:
             return data
-        doc, body = split
+        tables, doc, body = split
         slots = list(_slots(doc))
         if not slots:
             return data
@@ -332,7 +353,26 @@ class EditHeader:
             parent.insert(key, self.value)
         else:
             parent[f"{key}_"] = self.value
-        return forge(json.dumps(doc, separators=(",", ":")).encode(), body)
+        return forge(_join(tables, doc), body)
+
+
+@dataclasses.dataclass(frozen=True)
+class EditTable:
+    """Write ``value`` over ``width`` bytes of a version-3 header's binary tables (counts,
+    tensor records, dims, storage records), then re-checksum: reaches the table checks."""
+
+    at: int
+    width: int
+    value: int
+
+    def __call__(self, data: bytes) -> bytes:
+        split = _split(data)
+        if split is None or len(split[0]) < self.width:
+            return data
+        tables, doc, body = split
+        at = self.at % (len(tables) - self.width + 1)
+        piece = (self.value % (1 << (8 * self.width))).to_bytes(self.width, "little")
+        return forge(_join(tables[:at] + piece + tables[at + self.width :], doc), body)
 
 
 def _slots(node: Any) -> Iterator[tuple[Any, Any]]:
@@ -348,11 +388,24 @@ def _rechecksum(data: bytes) -> bytes:
     split = _split(data)
     if split is None:
         return data
-    doc, body = split
+    tables, doc, body = split
     with contextlib.suppress(TypeError, ValueError, KeyError, IndexError):
         for entry in doc["storages"]:
             entry[2] = crc32c.crc32c(body[entry[0] : entry[0] + entry[1]])
-    return forge(json.dumps(doc, separators=(",", ":")).encode(), body)
+    if tables:
+        storages = np.frombuffer(
+            tables, STORAGE_RECORD, offset=len(tables) - _storage_count(tables) * 24
+        ).copy()
+        for entry in storages:
+            entry["crc32c"] = crc32c.crc32c(
+                body[int(entry["offset"]) : int(entry["offset"] + entry["nbytes"])]
+            )
+        tables = tables[: len(tables) - storages.nbytes] + storages.tobytes()
+    return forge(_join(tables, doc), body, _HEADER.unpack_from(data)[1])
+
+
+def _storage_count(tables: bytes) -> int:
+    return int(_COUNTS.unpack_from(tables)[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +478,7 @@ HEADER_MUTATIONS = st.one_of(
     st.builds(
         EditHeader, _positions, st.sampled_from(["replace", "delete", "insert", "duplicate"]), _json_values
     ),
+    st.builds(EditTable, _positions, st.sampled_from([1, 4, 8]), _interesting_ints | st.integers()),
     st.builds(Rechecksummed, st.builds(Flip, _positions, st.integers(0, 7))),
     st.builds(Rechecksummed, st.builds(Splice, _positions, st.integers(0, 16), st.one_of(st.none(), _blobs))),
 )
@@ -543,6 +597,20 @@ def _or_integrity_error(load: Callable[[], Any]) -> tuple[bool, Any]:
         return False, exc
 
 
+def _touch_every_element(tensor: torch.Tensor) -> None:
+    """Read every element of ``tensor``: all of them inside the body.
+
+    A header may validly describe an expanded view (stride 0) of astronomically many
+    elements over one: then its first and farthest elements are read instead, the ends of
+    the memory it spans (cloning it would allocate terabytes).
+    """
+    if tensor.numel() * tensor.element_size() <= 1 << 26:
+        tensor.clone()
+    else:
+        tensor[(0,) * tensor.dim()].item()
+        tensor[tuple(n - 1 for n in tensor.shape)].item()
+
+
 def check_loaders(data: bytes, path: Path) -> str:
     """Every loader returns a valid state_dict or raises IntegrityError; they agree on which.
 
@@ -564,7 +632,7 @@ def check_loaders(data: bytes, path: Path) -> str:
     if not valid:
         return str(from_file[1]).removeprefix(f"{path}: ")[:24]
     for tensor in tensors_of(from_file[1]) + tensors_of(from_memory[1]):
-        tensor.detach().clone()  # every element is inside the body
+        _touch_every_element(tensor.detach())
     for array in arrays_of(from_file[1]) + arrays_of(from_memory[1]):
         array.copy()
     return "valid"
@@ -623,20 +691,22 @@ def test_the_audit_guard_sees_unpickling_code_and_foreign_opens(tmp_path: Path) 
     assert [v.split("(")[0] for v in _AUDIT.violations] == ["pickle.find_class", "compile", "exec", "open"]
 
 
-def _forged_replica(**changes: Any) -> bytes:
+def _forged_replica(body_nbytes: int) -> bytes:
+    """A replica of one tensor whose header claims a body (and storage) of ``body_nbytes``."""
     data = b"".join(encode({"w": torch.zeros(4)}, owner_rank=0, step=0, checkpoint_id="").buffers())
     split = _split(data)
     assert split is not None
-    doc, body = split
-    doc.update(changes)
-    return forge(json.dumps(doc).encode(), body)
+    tables, doc, body = split
+    doc["body_nbytes"] = body_nbytes
+    storage = struct.pack("<QQII", 0, body_nbytes, 0, 0)
+    return forge(_join(tables[: -len(storage)] + storage, doc), body)
 
 
 @pytest.mark.parametrize(
     "data",
     [
-        _forged_replica(body_nbytes=1 << 40, storages=[[0, 1 << 40, 0]]),
-        _forged_replica(body_nbytes=(1 << 63) - 64, storages=[[0, (1 << 63) - 64, 0]]),
+        _forged_replica(1 << 40),
+        _forged_replica((1 << 63) - 64),
         MAGIC + struct.pack("<IQ", 1, HEADER_CAP) + b"{}",
         MAGIC + struct.pack("<IQ", 1, 2**64 - 1),
         *PAYLOADS,
@@ -656,9 +726,9 @@ def test_classic_attacks_are_refused_without_allocating_or_running_anything(
 
 def test_a_rechecksummed_header_edit_reaches_the_deep_checks(replica_file: Path) -> None:
     original = b"".join(encode({"w": torch.zeros(4)}, owner_rank=0, step=0, checkpoint_id="").buffers())
-    doc = _split(original)
-    assert doc is not None
-    slots = list(_slots(doc[0]))
+    split = _split(original)
+    assert split is not None
+    slots = list(_slots(split[1]))
     target = next(i for i, (parent, key) in enumerate(slots) if key == "body_nbytes")
     edited = EditHeader(target, "replace", 2**62)(original)
     assert check_loaders(edited, replica_file).startswith("header body_nbytes")

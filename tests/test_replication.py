@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import astage
 from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError, _replication
+from astage._format import encode
 from astage._persist import is_temp_name, replica_path
 from tests.distributed import kill_self, run_group, stop_self
 from tests.statedicts import bytes_equal, storage_key
@@ -269,3 +270,30 @@ def test_a_restarted_rank_gets_its_state_back_from_its_peer(tmp_path: Path) -> N
 def test_peer_timeout_error_is_a_transport_error() -> None:
     assert issubclass(PeerTimeoutError, TransportError)
     assert issubclass(astage.PeerReportedError, TransportError)
+
+
+async def shared_encoding_target(rank: int, world: int, root: str) -> dict[str, Any]:
+    state = state_of(rank)
+    encoded = encode(state, owner_rank=rank, step=3, checkpoint_id="c")
+    async with astage.ReplicationStager(storage_dir=Path(root) / f"rank{rank}", timeout=30) as rs:
+        refused = ""
+        try:  # another step: refused before anything is sent, so the ranks stay in step
+            await rs.replicate_staged(state, step=4, checkpoint_id="c", encoded=encoded)
+        except ConfigurationError as exc:
+            refused = str(exc)
+        result = await rs.replicate_staged(state, step=3, checkpoint_id="c", encoded=encoded)
+        return {
+            "refused": refused,
+            "replica_ok": same_state(result.replica, state_of(result.recv_from)),
+            "ranks": (result.replica_header.owner_rank, result.replica_header.holder_rank),
+            "expected": (result.recv_from, rank),
+            "sent": result.stats.bytes_sent == encoded.total_nbytes,
+        }
+
+
+def test_replicate_staged_sends_a_replica_encoded_beforehand_relabelled(tmp_path: Path) -> None:
+    for value in (r.unwrap() for r in run_group(2, shared_encoding_target, str(tmp_path), timeout=90)):
+        assert "same step and checkpoint_id" in value["refused"]
+        assert value["replica_ok"]
+        assert value["ranks"] == value["expected"]
+        assert value["sent"]

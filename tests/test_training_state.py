@@ -159,15 +159,12 @@ def test_each_leaf_kind_round_trips_exactly(value: Any) -> None:
     assert_exact(round_trip({"x": value, "in": [value]}), {"x": value, "in": [value]})
 
 
-def test_the_header_says_format_2_only_where_the_tree_needs_it() -> None:
-    def schema(state: Any) -> int:
+def test_version_3_headers_say_format_3_whatever_the_tree_holds() -> None:
+    for state in ({"w": torch.ones(2), "lr": 0.1}, {"w": np.ones(2), "shape": torch.Size([2])}):
         data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
-        length = struct.unpack_from("<Q", data, 12)[0]
-        return int(json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])["format"])
-
-    assert schema({"w": torch.ones(2), "lr": 0.1}) == 1
-    assert schema({"w": torch.ones(2), "shape": torch.Size([2])}) == 2
-    assert schema({"w": np.ones(2)}) == 2
+        header = parse_prefix(data)
+        assert header.version == 3
+        assert b'{"format":3,' in data[: header.prefix_nbytes]
 
 
 def test_rng_states_round_trip_bit_exactly_and_continue_the_same_streams() -> None:
@@ -285,15 +282,88 @@ def test_version_1_files_still_load(tmp_path: Path) -> None:
     assert state["od"]["x"].tolist() == [True, False]
 
 
-def _as_version_1(state: Any) -> bytes:
-    """A replica of ``state`` as version 1 wrote it: binary and format 1, no padding."""
+# A version-2 replica written by astage before format 3 (main at 9e360b1), owner 3, step 7,
+# checkpoint "v2": w = arange(6.).reshape(2, 3), {"w": w, "t": w.t(), "p": Parameter([1.5, -2.0]),
+# "a": np.arange(3, dtype=int16), "n": np.float32(0.25), "b": b"xy", "c": 1+2j,
+# "s": torch.Size([2, 3]), "d": torch.bfloat16, "od": OrderedDict(x=tensor([True, False]))}.
+_VERSION_2 = base64.b64decode(
+    "QVNUQUdFAFICAAAAkAIAAAAAAAB7ImZvcm1hdCI6Miwib3duZXJfcmFuayI6MywiaG9sZGVyX3JhbmsiOm51bGwsInN0ZXAi"
+    "OjcsImNoZWNrcG9pbnRfaWQiOiJ2MiIsImNyZWF0ZWQiOjEuNSwiYm9keV9uYnl0ZXMiOjE5NCwidGVuc29ycyI6W1swLCJm"
+    "bG9hdDMyIixbMiwzXSxbMywxXSwwLCJ0ZW5zb3IiLGZhbHNlXSxbMCwiZmxvYXQzMiIsWzMsMl0sWzEsM10sMCwidGVuc29y"
+    "IixmYWxzZV0sWzEsImZsb2F0MzIiLFsyXSxbMV0sMCwicGFyYW1ldGVyIix0cnVlXSxbMiwiaW50MTYiLFszXSxbMV0sMCwi"
+    "bmRhcnJheSIsZmFsc2VdLFszLCJib29sIixbMl0sWzFdLDAsInRlbnNvciIsZmFsc2VdXSwidHJlZSI6WyJkaWN0IixbInci"
+    "LCJ0IiwicCIsImEiLCJuIiwiYiIsImMiLCJzIiwiZCIsIm9kIl0sW1sidGVuc29yIiwwXSxbInRlbnNvciIsMV0sWyJ0ZW5z"
+    "b3IiLDJdLFsidGVuc29yIiwzXSxbIm51bXB5IiwiZmxvYXQzMiIsMTA0ODU3NjAwMF0sWyJieXRlcyIsImVIaz0iXSxbImNv"
+    "bXBsZXgiLDEuMCwyLjBdLFsic2l6ZSIsWzIsM11dLFsiZHR5cGUiLCJiZmxvYXQxNiJdLFsib2RpY3QiLFsieCJdLFtbInRl"
+    "bnNvciIsNF1dXV1dLCJzdG9yYWdlcyI6W1swLDI0LDIwMjA4ODMwMzddLFs2NCw4LDI3NTQ3ODM1MjJdLFsxMjgsNiwyOTA1"
+    "MjY5OTgwXSxbMTkyLDIsMzgwNDQ5MTY4NV1dfbZs9xsAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAPwAAAEAAAEBA"
+    "AACAQAAAoEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAADAPwAAAMAAAAAAAAAAAAAAAAAAAAAA"
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAQACAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAABAA=="
+)
+
+
+def test_version_2_files_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "old.astage"
+    path.write_bytes(_VERSION_2)
+    header = parse_prefix(_VERSION_2)
+    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (2, 3, 7, "v2")
+    state = astage.load_replica_sync(path)
+    w = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(state["w"], w)
+    assert torch.equal(state["t"], w.t())
+    assert state["t"].untyped_storage().data_ptr() == state["w"].untyped_storage().data_ptr()
+    assert type(state["p"]) is torch.nn.Parameter
+    assert state["p"].requires_grad
+    assert state["p"].tolist() == [1.5, -2.0]
+    assert_exact(state["a"], np.arange(3, dtype=np.int16))
+    assert_exact(state["n"], np.float32(0.25))
+    assert (state["b"], state["c"], state["s"], state["d"]) == (
+        b"xy",
+        1 + 2j,
+        torch.Size([2, 3]),
+        torch.bfloat16,
+    )
+    assert type(state["od"]) is collections.OrderedDict
+    assert state["od"]["x"].tolist() == [True, False]
+
+
+def _as_version(state: Any, version: int, edit: Any = None) -> bytes:
+    """A replica of ``state`` as versions 1 and 2 wrote it: tensors and storages in the JSON,
+    the JSON ``format`` equal to the binary version, no padding; ``edit`` may change the
+    document first."""
     data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
-    length = struct.unpack_from("<Q", data, 12)[0]
-    header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length].rstrip(b" ")
-    header = header.replace(b'"format":2', b'"format":1')
-    head = data[:8] + struct.pack("<IQ", 1, len(header)) + header
+    header = parse_prefix(data)
+    json_start = data.index(b'{"format":3,')  # after the binary tables
+    json_end = FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]
+    doc = json.loads(data[json_start:json_end])
+    names = {dtype: name for name, dtype in astage._format.DTYPES.items()}
+    kinds = {"TENSOR": "tensor", "PARAMETER": "parameter", "NDARRAY": "ndarray"}
+    doc["tensors"] = [
+        [
+            t.storage,
+            names[t.dtype],
+            list(t.size),
+            list(t.stride),
+            t.offset,
+            kinds[t.kind.name],
+            t.requires_grad,
+        ]
+        for t in header.plan.tensors
+    ]
+    doc["storages"] = [list(s) for s in header.segments]
+    del doc["dtensors"]
+    doc["format"] = version
+    if edit is not None:
+        edit(doc)
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    head = data[:8] + struct.pack("<IQ", version, len(text)) + text
     head += struct.pack("<I", crc32c.crc32c(head))
-    return head + bytes(-len(head) % 64) + data[parse_prefix(data).prefix_nbytes :]
+    return head + bytes(-len(head) % 64) + data[header.prefix_nbytes :]
+
+
+def _as_version_1(state: Any) -> bytes:
+    return _as_version(state, 1)
 
 
 @pytest.mark.parametrize(
@@ -383,15 +453,8 @@ async def test_a_background_failure_is_logged_once_in_one_line(
 
 
 def _forged(edit: Any) -> bytes:
-    """A format-2 replica of ``{"a": np.arange(3), "x": 1.5}`` with its header edited, checksum right."""
-    data = b"".join(encode({"a": np.arange(3), "x": 1.5}, owner_rank=0, step=0, checkpoint_id="").buffers())
-    length = struct.unpack_from("<Q", data, 12)[0]
-    doc = json.loads(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + length])
-    edit(doc)
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    head = data[:12] + struct.pack("<Q", len(header)) + header
-    head += struct.pack("<I", crc32c.crc32c(head))
-    return head + bytes(-len(head) % 64) + data[parse_prefix(data).prefix_nbytes :]
+    """A version-2 replica of ``{"a": np.arange(3), "x": 1.5}`` with its header edited, checksum right."""
+    return _as_version({"a": np.arange(3), "x": 1.5}, 2, edit)
 
 
 def _leaf_is(node: Any) -> Any:
