@@ -180,8 +180,12 @@ def malformed(case: str) -> tuple[bytes, bytes]:
     if case == "garbage":
         return random.Random(0).randbytes(300), body
     if case == "hostile header":
-        header = prefix[20 : 20 + int.from_bytes(prefix[12:20], "little")].decode()
-        return _prefix_bytes(header.replace('"format":1', '"format":1,"exec":"__import__(\'os\')"')), body
+        # The header is the binary tables, then the JSON tree: a key added to the JSON.
+        header = prefix[20 : 20 + int.from_bytes(prefix[12:20], "little")]
+        tables, _, doc = header.partition(b'{"format":')
+        hostile = tables + b'{"format":' + doc.replace(b"3,", b"3,\"exec\":\"__import__('os')\",", 1)
+        assert hostile != header
+        return _prefix_bytes(hostile), body
     if case == "another rank's replica":
         return _real_replica(1, 2)
     if case == "corrupt body":

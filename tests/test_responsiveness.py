@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -47,7 +49,20 @@ async def test_heartbeat_keeps_ticking_while_staging_many_small_tensors() -> Non
         async def work() -> None:
             await stager.stage(sd)
 
+        # The first stage, with the cyclic collector off: what astage itself holds the loop
+        # for.  (With it on, a full collection triggered by the ~100,000 objects a first stage
+        # creates holds the loop 0.1-0.3 s on its own, whatever astage slices: issue 11's
+        # open item, not a slicing regression.)  Measured: holds up to ~0.04 s; staging these
+        # 20,000 tensors on the loop in one go would hold it 0.5 s or more.
+        gc.disable()
+        try:
+            beats = await heartbeat_gaps(work)
+        finally:
+            gc.enable()
+        assert_loop_kept_its_turn(beats, max_hold_cpu=0.15)
+        # A steady stage (the plan re-checked, the released copy refilled), collector on,
+        # once the first stage's collection debt is paid: measured holds of ~6 ms.
+        gc.collect()
+        await stager.release(await stager.stage(sd))
         beats = await heartbeat_gaps(work)
-    # Measured on a 2-core machine: holds of up to ~0.16 s (a known lag, left to the staging
-    # work); staging these 20,000 tensors on the loop in one go would hold it 0.5 s or more.
-    assert_loop_kept_its_turn(beats, max_hold_cpu=0.3)
+    assert_loop_kept_its_turn(beats, max_hold_cpu=0.06)
