@@ -183,7 +183,7 @@ def malformed(case: str) -> tuple[bytes, bytes]:
         # The header is the binary tables, then the JSON tree: a key added to the JSON.
         header = prefix[20 : 20 + int.from_bytes(prefix[12:20], "little")]
         tables, _, doc = header.partition(b'{"format":')
-        hostile = tables + b'{"format":' + doc.replace(b"3,", b"3,\"exec\":\"__import__('os')\",", 1)
+        hostile = tables + b'{"format":' + doc.replace(b"3,", b'3,"exec":"__import__(\'os\')",', 1)
         assert hostile != header
         return _prefix_bytes(hostile), body
     if case == "another rank's replica":
