@@ -494,17 +494,29 @@ def _scan_step(
         return None
 
 
+@contextlib.contextmanager
+def _existing_step_dir(dir_fd: int, name: str) -> Iterator[int | None]:
+    """The step directory ``name`` opened (never through a link), or ``None`` if it is gone."""
+    try:
+        step_fd = _open_step_dir(dir_fd, name, create=False)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        yield step_fd
+    finally:
+        os.close(step_fd)
+
+
 def _delete_step(dir_fd: int, name: str, marker: _Marker, marker_name: str) -> None:
     """Retire a committed step: its marker first (made durable), then its files.
 
     :raises OSError: the marker could not be removed: the step is still committed.  Files
         left once the marker is gone are only logged (swept at the next start).
     """
-    try:
-        step_fd = _open_step_dir(dir_fd, name, create=False)
-    except FileNotFoundError:
-        return
-    try:
+    with _existing_step_dir(dir_fd, name) as step_fd:
+        if step_fd is None:
+            return
         _unlink(marker_name, step_fd)
         try:
             os.fsync(step_fd)
@@ -515,8 +527,6 @@ def _delete_step(dir_fd: int, name: str, marker: _Marker, marker_name: str) -> N
                 "cannot delete the files of step directory %s (swept at the next start): %s", name, exc
             )
             return
-    finally:
-        os.close(step_fd)
     try:
         if _remove_dir_if_empty(name, dir_fd):
             os.fsync(dir_fd)
@@ -525,14 +535,10 @@ def _delete_step(dir_fd: int, name: str, marker: _Marker, marker_name: str) -> N
 
 
 def _discard_uncommitted(dir_fd: int, name: str, data_name: str) -> None:
-    try:
-        step_fd = _open_step_dir(dir_fd, name, create=False)
-    except FileNotFoundError:
-        return
-    try:
+    with _existing_step_dir(dir_fd, name) as step_fd:
+        if step_fd is None:
+            return
         _unlink(data_name, step_fd)
-    finally:
-        os.close(step_fd)
     _remove_dir_if_empty(name, dir_fd)
 
 

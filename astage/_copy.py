@@ -24,11 +24,9 @@ from typing import Any
 import anyio
 import torch
 
+from ._limits import CHUNK_BYTES
 from ._plan import StagePlan
 from ._slices import SLICE_SECONDS, Steps, clock
-
-CHUNK_BYTES = 16 << 20
-"""Largest amount copied by one worker-thread call: ~2-4 ms at memory bandwidth."""
 
 Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Staged tensors and their sources, copied pairwise by one ``torch._foreach_copy_``."""

@@ -59,6 +59,9 @@ import numpy as np
 import torch
 
 from ._errors import Attr, ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError, format_key_path
+from ._limits import CHUNK_BYTES
+from ._limits import INT64 as _INT64
+from ._limits import RANK_LIMIT as _RANK_LIMIT
 from ._plan import (
     AtomNode,
     CopyNode,
@@ -122,8 +125,6 @@ _FIXED = struct.Struct("<8sIQ")
 _COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
 _CRC = struct.Struct("<I")
 _ZEROS = bytes(ALIGNMENT)
-_INT64 = 1 << 63
-_RANK_LIMIT = 1 << 31
 _ID_CAP = 4096
 _INT_BITS_CAP = 13_000  # below CPython's 4300-digit int/str conversion limit
 
@@ -345,7 +346,7 @@ class Encoded:
         """Length of the whole replica."""
         return len(self.prefix) + self.body_nbytes
 
-    def buffers(self, chunk_nbytes: int = 16 << 20) -> Iterator[memoryview]:
+    def buffers(self, chunk_nbytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
         """The whole replica, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
 
         Views alias the staged storages: they stay valid while those are not changed.

@@ -61,13 +61,14 @@ from ._format import (
     parse_prefix,
     prefix_nbytes,
 )
+from ._limits import CHUNK_BYTES
 from ._threads import Call, run_sync
 
 T = TypeVar("T")
 
 log = logging.getLogger("astage.persist")
 
-CHUNK_NBYTES: Final = 16 << 20
+CHUNK_NBYTES: Final = CHUNK_BYTES
 """Most bytes one worker-thread call reads or writes: bounds how late cancellation lands."""
 
 REPLICA_SUFFIX: Final = ".astage"

@@ -739,18 +739,7 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
     every field read costs, so nothing is read twice.
     """
     st = t.untyped_storage()
-    return (
-        type(t),
-        t.dtype,
-        t.shape,
-        t.stride(),
-        t.storage_offset(),
-        t.requires_grad,
-        t.is_conj(),
-        t.is_neg(),
-        st._cdata,
-        st.nbytes(),
-    )
+    return (*_meta_signature(t), st._cdata, st.nbytes())
 
 
 _META = slice(0, 8)

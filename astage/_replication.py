@@ -64,6 +64,7 @@ from ._format import (
     parse_prefix,
     verify_body,
 )
+from ._limits import INT64
 from ._options import StagingOptions, coerce_options
 from ._persist import (
     DirOpener,
@@ -88,7 +89,7 @@ log = logging.getLogger("astage.replication")
 
 DEFAULT_MAX_REPLICA_BYTES = 1 << 40
 """Largest replica accepted from a peer unless told otherwise (checked before allocating)."""
-_MAX_BYTES = (1 << 63) - 1
+_MAX_BYTES = INT64 - 1
 """Sizes (and steps) travel as int64."""
 
 

@@ -686,7 +686,7 @@ async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> N
 
 async def _forget_step(ckpt: Checkpointer, step: int) -> None:
     """Uncommit a local copy about to be replaced: the marker goes first, made durable."""
-    from ._checkpointer import _open_step_dir
+    from ._checkpointer import _existing_step_dir
 
     ckpt._committed.pop(step, None)
     assert ckpt._dir_fd is not None
@@ -694,17 +694,13 @@ async def _forget_step(ckpt: Checkpointer, step: int) -> None:
 
     def remove() -> None:
         # Relative to the step directory, opened without following a link: never outside.
-        try:
-            step_fd = _open_step_dir(dir_fd, name, create=False)
-        except FileNotFoundError:
-            return
-        try:
-            os.unlink(marker_name, dir_fd=step_fd)
-        except FileNotFoundError:
-            return
-        else:
+        with _existing_step_dir(dir_fd, name) as step_fd:
+            if step_fd is None:
+                return
+            try:
+                os.unlink(marker_name, dir_fd=step_fd)
+            except FileNotFoundError:
+                return
             os.fsync(step_fd)
-        finally:
-            os.close(step_fd)
 
     await blocking_io(remove, limiter=ckpt._limiter)
