@@ -44,21 +44,20 @@ import collections
 import ctypes
 import dataclasses
 import functools
-import gc
 import itertools
 import json
 import math
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
+from typing import Any, Final, NamedTuple
 
 import crc32c
 import numpy as np
 import torch
 
 from ._errors import Attr, ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError, format_key_path
+from ._gc import without_gc
 from ._limits import CHUNK_BYTES
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
@@ -383,45 +382,6 @@ def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-# -- bulk work ----------------------------------------------------------------------------
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_gc_lock = threading.Lock()
-_gc_pauses = 0
-_gc_was_enabled = False
-
-
-def _without_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run ``fn`` with the cyclic garbage collector paused (nesting and threads allowed).
-
-    Encoding or parsing the header of 20,000 tensors makes a few hundred thousand lists and
-    tuples that all survive the call; each 700 of them trigger a collection that walks the
-    young objects, and the older generations are walked again and again as they grow,
-    which measured 2-3x the work itself.  Nothing here makes reference cycles; whatever the
-    program makes meanwhile is collected once the outermost pause ends.
-    """
-
-    @functools.wraps(fn)
-    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        global _gc_pauses, _gc_was_enabled
-        with _gc_lock:
-            if _gc_pauses == 0:
-                _gc_was_enabled = gc.isenabled()
-                gc.disable()
-            _gc_pauses += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with _gc_lock:
-                _gc_pauses -= 1
-                if _gc_pauses == 0 and _gc_was_enabled:
-                    gc.enable()
-
-    return paused
-
-
 # -- encoding -----------------------------------------------------------------------------
 
 
@@ -454,7 +414,7 @@ class ReplicaLayout:
     charged: int
     """What a reader charges to its parse budget beyond the counted tokens (_parse_cost)."""
 
-    @_without_gc
+    @without_gc
     def encode(self) -> Encoded:
         """Checksum every storage and return the replica's bytes.
 
@@ -501,7 +461,7 @@ class ReplicaLayout:
         return binary + _padded(text, len(binary), charged)
 
 
-@_without_gc
+@without_gc
 def lay_out(
     staged_state_dict: Any,
     *,
@@ -1002,7 +962,7 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
     return _align(FIXED_PREFIX_NBYTES + header_len + _CRC.size)
 
 
-@_without_gc
+@without_gc
 def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
     """Validate a replica's prefix and return its header; bytes after the prefix are ignored.
 

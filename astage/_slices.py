@@ -15,13 +15,14 @@ tensors).  Collection resumes between slices, so nothing is deferred for long.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Callable, Generator
 from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
+
+from ._gc import gc_paused
 
 T = TypeVar("T")
 
@@ -36,16 +37,11 @@ clock = time.perf_counter
 
 def _slice(steps: Steps[T]) -> tuple[bool, T | None]:
     """Run one slice with the collector paused; ``(finished, value)``."""
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        next(steps)
-    except StopIteration as done:
-        return True, done.value
-    finally:
-        if paused:
-            gc.enable()
+    with gc_paused():
+        try:
+            next(steps)
+        except StopIteration as done:
+            return True, done.value
     return False, None
 
 
