@@ -1,7 +1,8 @@
 """astage: asyncio-native checkpoint staging for PyTorch.
 
 Stage a state_dict into reusable CPU buffers without blocking the event loop, replicate
-it to a peer rank, and persist it durably.  Everything public is re-exported here.
+it to a peer rank, and persist it durably.  Everything public is re-exported here, and
+only what a user needs (the reasons, name by name: "What is public and why" in docs/api.rst).
 """
 
 import logging as _logging
@@ -32,8 +33,6 @@ from ._persist import inspect_replica as inspect_replica
 from ._persist import load_replica as load_replica
 from ._persist import load_replica_sync as load_replica_sync
 from ._persist import sweep_stale_temps as sweep_stale_temps
-from ._pool import BufferKind as BufferKind
-from ._pool import BufferPool as BufferPool
 from ._pool import PoolStats as PoolStats
 from ._replication import ReplicationPhase as ReplicationPhase
 from ._replication import ReplicationResult as ReplicationResult
@@ -51,12 +50,36 @@ __version__ = "0.1.0"
 _logging.getLogger("astage").addHandler(_logging.NullHandler())
 
 
+# Names that were public once and are not any more: each still resolves, with a
+# DeprecationWarning that says what to use instead, so old code keeps running while it moves.
+_RETIRED: dict[str, tuple[str, str]] = {
+    "BufferPool": (
+        "astage._pool",
+        "a stager owns its pool and none accepts one; read its memory with DefaultStager.pool_stats()",
+    ),
+    "BufferKind": (
+        "astage._pool",
+        "choose the memory with StagingOptions(use_pinned_memory=..., use_shared_memory=...)",
+    ),
+}
+
+
 def __getattr__(name: str) -> object:
+    import importlib
+
     # ``astage.dcp`` loads torch.distributed.checkpoint (~0.2 s): only when first used.
     if name == "dcp":
-        import importlib
-
         return importlib.import_module(".dcp", __name__)
+    if name in _RETIRED:
+        module, instead = _RETIRED[name]
+        import warnings
+
+        warnings.warn(
+            f"astage.{name} is no longer public: {instead} (it stays in {module}, without a promise)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'astage' has no attribute {name!r}")
 
 
@@ -64,8 +87,6 @@ __all__ = [
     "AstageError",
     "AsyncStager",
     "BlockingStager",
-    "BufferKind",
-    "BufferPool",
     "CapacityError",
     "Checkpointer",
     "ClosedError",

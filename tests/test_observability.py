@@ -11,8 +11,8 @@ import anyio
 import pytest
 import torch
 
-import astage
-from astage import BufferPool, ConfigurationError, DefaultStager, StageStats, StagingOptions
+from astage import ConfigurationError, DefaultStager, StageStats, StagingOptions
+from astage._pool import BufferPool
 
 POOL_LOGGER = "astage.pool"
 
@@ -61,7 +61,7 @@ async def test_a_wait_under_the_cap_is_logged_once_with_what_holds_the_memory(
     try:
         with caplog.at_level(logging.INFO, logger=POOL_LOGGER):
             async with anyio.create_task_group() as tg:
-                got: list[astage.BufferPool] = []
+                got: list[BufferPool] = []
 
                 async def wait_for_room() -> None:
                     await pool.acquire([2000])

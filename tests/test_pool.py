@@ -10,7 +10,8 @@ import psutil
 import pytest
 import torch
 
-from astage import BufferKind, BufferPool, CapacityError, ClosedError
+from astage import CapacityError, ClosedError
+from astage._pool import BufferKind, BufferPool
 
 pytestmark = pytest.mark.anyio
 

@@ -1,17 +1,78 @@
-"""The public surface: small, explicit, documented."""
+"""The public surface: small, explicit, documented, and exactly the names decided on."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
+import warnings
+from pathlib import Path
+
+import pytest
 
 import astage
+
+# The decided surface (issue 13); docs/api.rst says why each name is here.  A name added to
+# or dropped from astage.__all__ must be added or dropped here and explained there.
+PUBLIC = {
+    # staging
+    "AsyncStager",
+    "BlockingStager",
+    "DefaultStager",
+    "PoolStats",
+    "StageStats",
+    "StagingOptions",
+    # checkpointing
+    "Checkpointer",
+    "ReplicaSource",
+    "Replicator",
+    "SaveEvent",
+    "SaveHandle",
+    "SaveStats",
+    # replication
+    "ReplicationPhase",
+    "ReplicationResult",
+    "ReplicationStager",
+    "ReplicationStats",
+    # files on disk
+    "ReplicaInfo",
+    "find_replicas",
+    "inspect_replica",
+    "load_replica",
+    "load_replica_sync",
+    "sweep_stale_temps",
+    # device events
+    "wait_event",
+    # errors
+    "AstageError",
+    "CapacityError",
+    "ClosedError",
+    "ConfigurationError",
+    "EventLoopError",
+    "IntegrityError",
+    "PeerReportedError",
+    "PeerTimeoutError",
+    "PersistError",
+    "ResourceError",
+    "TransportError",
+    "UnsupportedInputError",
+}
+
+# Exported once, no longer: each still resolves from astage with a DeprecationWarning.
+RETIRED = {"BufferPool": "astage._pool", "BufferKind": "astage._pool"}
+
+API_DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.rst"
+
+
+def test_all_is_exactly_the_decided_surface() -> None:
+    assert set(astage.__all__) == PUBLIC | {"__version__"}
+    assert list(astage.__all__) == sorted(astage.__all__)
 
 
 def test_all_lists_exactly_the_public_names() -> None:
     public = {name for name in vars(astage) if not name.startswith("_")} - {"cli", "dcp"}
     modules = {name for name in public if inspect.ismodule(getattr(astage, name))}
     assert set(astage.__all__) - {"__version__"} == public - modules
-    assert list(astage.__all__) == sorted(astage.__all__)
 
 
 def test_every_public_name_is_documented() -> None:
@@ -19,6 +80,36 @@ def test_every_public_name_is_documented() -> None:
         obj = getattr(astage, name)
         if inspect.isclass(obj) or inspect.isfunction(obj):
             assert inspect.getdoc(obj), f"astage.{name} has no docstring"
+
+
+def test_the_api_docs_say_why_each_name_is_public_or_not() -> None:
+    section = API_DOCS.read_text().split("What is public and why", 1)[1].split("\nReference\n", 1)[0]
+    named = set(re.findall(r"``(\w+)", section))
+    assert PUBLIC - {n for n in PUBLIC if n.endswith("Error")} <= named
+    assert "AstageError" in named
+    assert set(RETIRED) <= named
+
+
+@pytest.mark.parametrize("name", sorted(RETIRED))
+def test_a_retired_name_still_resolves_with_a_deprecation_warning(name: str) -> None:
+    module = importlib.import_module(RETIRED[name])
+    with pytest.warns(DeprecationWarning, match=rf"astage\.{name} is no longer public"):
+        obj = getattr(astage, name)
+    assert obj is getattr(module, name)
+    assert name not in astage.__all__
+    assert name not in dir(astage)
+
+
+def test_a_public_name_resolves_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in astage.__all__:
+            getattr(astage, name)
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'BufferPools'"):
+        _ = astage.BufferPools  # type: ignore[attr-defined]
 
 
 def test_errors_share_one_root() -> None:

@@ -37,8 +37,6 @@ from hypothesis import strategies as st
 from astage import (
     AstageError,
     BlockingStager,
-    BufferKind,
-    BufferPool,
     ClosedError,
     ConfigurationError,
     DefaultStager,
@@ -48,6 +46,7 @@ from astage import (
     wait_event,
 )
 from astage._plan import MAX_DEPTH
+from astage._pool import BufferKind, BufferPool
 from tests.helpers import until
 from tests.statedicts import assert_same_tree, storage_key
 
