@@ -191,7 +191,7 @@ def run_demo(steps: int = 24, every: int = 4, ranks: int = 2, directory: Path | 
         title="checkpoints (rank 0; every save also replicated to its peer)",
         caption=(
             "save() blocked: how long the training loop waited in save() (staging to CPU buffers); "
-            "persist: encoding, writing and fsyncing the local file in the background; "
+            "persist: encoding, writing and fsyncing the local checkpoint file in the background; "
             "GB/s: checkpoint size over persist time"
         ),
     )

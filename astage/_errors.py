@@ -99,11 +99,18 @@ class PeerTimeoutError(TransportError, TimeoutError):
 
 
 class IntegrityError(AstageError, ValueError):
-    """Stored or received bytes are not a valid, untampered astage replica."""
+    """Stored or received bytes are not a valid, untampered astage checkpoint file.
+
+    The checkpoint file is the one format of a rank's local file, of a replica on a peer's
+    disk, and of the state sent between ranks; a commit marker that is not valid is one too.
+    """
 
 
 class PersistError(AstageError, OSError):
-    """Writing a replica or checkpoint durably failed; the previous one is intact."""
+    """Writing a file durably (a local checkpoint file, a replica, a marker) failed.
+
+    The file that was there before under the same name is intact.
+    """
 
 
 def describe(exc: BaseException) -> str:

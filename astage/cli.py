@@ -56,8 +56,11 @@ from ._plan import AtomNode, CopyNode, DictNode, Node, ObjectNode, RefNode, SeqN
 DESCRIPTION = """\
 Look at and verify astage checkpoints and replicas, run the demo and the benchmarks.
 
+A checkpoint file (header, then body) is the format of a rank's local file in a
+Checkpointer's step directory and of a replica: a peer's copy of a rank's state.
+
 `astage ls DIR` lists the checkpoint steps under DIR (committed or not, the latest, size,
-ranks) and the replica files, and checks every committed step as a restore would;
+ranks) and the replicas, and checks every committed step as a restore would;
 `astage inspect FILE` shows one checkpoint file, replica or commit marker in full.
 
 exit status: 0 all good; 1 damaged data found (a committed step or a replica that would not
@@ -186,7 +189,11 @@ def _verify_file(path: Path, body_nbytes: int) -> None:
 
 
 def _file_kind(path: Path) -> tuple[str, int | None, int | None]:
-    """``("marker" | "checkpoint" | "replica", step, rank)`` from where and how a file is named."""
+    """``("marker" | "checkpoint" | "replica", step, rank)`` from where and how a file is named.
+
+    ``"checkpoint"`` is a rank's file in a Checkpointer's step directory; any other file of
+    the format is taken for a replica until its header says whether a holder keeps it.
+    """
     role = layout_role(path.name)
     step = step_of_dir(path.parent.name)
     if role is not None and step is not None:
@@ -208,10 +215,10 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     if kind == "marker":
         return _inspect_marker(path, step, rank, verify, as_json)
     info = astage.inspect_replica(path)
+    if kind == "replica" and info.holder_rank is None:
+        kind = "checkpoint"  # a rank's own file (no holder), outside a Checkpointer's layout
     doc: dict[str, Any] = {"path": str(path), "kind": kind, **_replica_summary(info)}
-    if kind == "checkpoint":
-        assert step is not None
-        assert rank is not None
+    if step is not None and rank is not None:
         doc["committed"] = _committed_by_marker(path, step, rank)
     doc["leaves"] = _leaf_rows(info.header)
     if verify:
@@ -219,12 +226,21 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     doc["verified"] = verify
     if as_json:
         print(json.dumps(doc, indent=1))
-        return 0
-    if kind == "checkpoint":
+    else:
+        _print_file(path, info, doc)
+    return 0
+
+
+def _print_file(path: Path, info: astage.ReplicaInfo, doc: dict[str, Any]) -> None:
+    """``astage inspect`` of a checkpoint file or a replica, as text."""
+    if "committed" in doc:
         state = "committed" if doc["committed"] else "not committed (no valid commit marker names it)"
         title = f"checkpoint file of rank {info.owner_rank}, step {info.step}: {state}"
-    elif info.holder_rank is None:
-        title = f"astage file of rank {info.owner_rank}'s step {info.step}"
+    elif doc["kind"] == "checkpoint":
+        title = (
+            f"checkpoint file of rank {info.owner_rank}, step {info.step} "
+            "(outside a Checkpointer's step directory: no commit marker applies)"
+        )
     else:
         title = f"replica of rank {info.owner_rank}'s step {info.step}, kept by rank {info.holder_rank}"
     console.print(shown(path), style="bold")
@@ -248,9 +264,8 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
             cells = [row["value"], "", "", ""]
         table.add_row(shown(row["key_path"]), shown(row["type"]), *(shown(c) for c in cells))
     console.print(table)
-    if verify:
+    if doc["verified"]:
         console.print("checksums verified: header and every storage", style="green")
-    return 0
 
 
 def _inspect_marker(path: Path, step: int | None, rank: int | None, verify: bool, as_json: bool) -> int:
@@ -434,6 +449,34 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
     if not top.is_dir():
         raise astage.ConfigurationError(f"{top} is not a directory")
     checkpoints, replica_dirs = _find(top)
+    replicas = _check_all(checkpoints, replica_dirs, verify)
+    doc: dict[str, Any] = {
+        "directory": str(top),
+        "verified": verify,
+        "checkpoints": [_checkpoint_dir_doc(directory, steps) for directory, steps in checkpoints.items()],
+        "replicas": [{"directory": str(d), "files": entries} for d, entries in replicas.items()],
+    }
+    problems = [
+        f"{step['path']}: {p}" for c in doc["checkpoints"] for step in c["steps"] for p in step["problems"]
+    ] + [
+        f"{f['path']}: not a valid checkpoint file: {f['problem']}"
+        for d in doc["replicas"]
+        for f in d["files"]
+        if f["problem"]
+    ]
+    doc["problems"] = problems
+    doc["ok"] = not problems
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_ls(doc)
+    return EXIT_DAMAGED if problems else 0
+
+
+def _check_all(
+    checkpoints: dict[Path, list[_Step]], replica_dirs: dict[Path, list[Path]], verify: bool
+) -> dict[Path, list[dict[str, Any]]]:
+    """Check every committed step (recording problems on it) and read every other file."""
     committed = [
         (s, r, r.marker)
         for steps in checkpoints.values()
@@ -451,49 +494,32 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
             r.problem = _check(s.path, marker, verify, advance)
         for directory, paths in replica_dirs.items():
             replicas[directory] = [_replica_entry(p, verify, advance) for p in paths]
+    return replicas
 
-    doc: dict[str, Any] = {"directory": str(top), "verified": verify, "checkpoints": [], "replicas": []}
-    for directory, steps in checkpoints.items():
-        all_ranks = sorted({r.rank for s in steps for r in s.ranks.values() if r.committed})
-        complete = [s.step for s in steps if s.committed and not s.problems and sorted(s.ranks) == all_ranks]
-        doc["checkpoints"].append(
+
+def _checkpoint_dir_doc(directory: Path, steps: list[_Step]) -> dict[str, Any]:
+    """One Checkpointer directory for ``ls --json``: its steps and the latest complete one."""
+    all_ranks = sorted({r.rank for s in steps for r in s.ranks.values() if r.committed})
+    complete = [s.step for s in steps if s.committed and not s.problems and sorted(s.ranks) == all_ranks]
+    return {
+        "directory": str(directory),
+        "latest": max(complete, default=None),
+        "ranks": all_ranks,
+        "steps": [
             {
-                "directory": str(directory),
-                "latest": max(complete, default=None),
-                "ranks": all_ranks,
-                "steps": [
-                    {
-                        "step": s.step,
-                        "path": str(s.path),
-                        "committed": s.committed,
-                        "damaged": bool(s.problems),
-                        "nbytes": s.nbytes,
-                        "ranks": [r.to_json() for r in sorted(s.ranks.values(), key=lambda r: r.rank)],
-                        "temp_files": s.temps,
-                        "other_files": s.others,
-                        "problems": s.problems,
-                    }
-                    for s in steps
-                ],
+                "step": s.step,
+                "path": str(s.path),
+                "committed": s.committed,
+                "damaged": bool(s.problems),
+                "nbytes": s.nbytes,
+                "ranks": [r.to_json() for r in sorted(s.ranks.values(), key=lambda r: r.rank)],
+                "temp_files": s.temps,
+                "other_files": s.others,
+                "problems": s.problems,
             }
-        )
-    for directory, entries in replicas.items():
-        doc["replicas"].append({"directory": str(directory), "files": entries})
-    problems = [
-        f"{step['path']}: {p}" for c in doc["checkpoints"] for step in c["steps"] for p in step["problems"]
-    ] + [
-        f"{f['path']}: invalid replica: {f['problem']}"
-        for d in doc["replicas"]
-        for f in d["files"]
-        if f["problem"]
-    ]
-    doc["problems"] = problems
-    doc["ok"] = not problems
-    if as_json:
-        print(json.dumps(doc, indent=1))
-    else:
-        _print_ls(doc)
-    return EXIT_DAMAGED if problems else 0
+            for s in steps
+        ],
+    }
 
 
 def _replica_entry(path: Path, verify: bool, advance: Callable[[int], None]) -> dict[str, Any]:
@@ -547,7 +573,10 @@ def _print_ls(doc: dict[str, Any]) -> None:
         console.print(table)
         console.print(f"latest complete step: {latest}; ranks {_rank_span(c['ranks'])}\n")
     for d in doc["replicas"]:
-        console.print(Text.assemble("replica files in ", shown(d["directory"])), style="bold")
+        # Outside a Checkpointer's step directories: replicas, and any file without a holder.
+        console.print(
+            Text.assemble("replicas and other checkpoint files in ", shown(d["directory"])), style="bold"
+        )
         table = Table()
         for column in ("file", "owner rank", "holder rank", "step", "checkpoint id", "bytes", "written"):
             table.add_column(column, justify="right" if column in ("step", "bytes") else "left")
@@ -560,7 +589,7 @@ def _print_ls(doc: dict[str, Any]) -> None:
             table.add_row(
                 shown(f["name"]),
                 str(f["owner_rank"]),
-                str(f["holder_rank"]),
+                "-" if f["holder_rank"] is None else str(f["holder_rank"]),
                 str(f["step"]),
                 shown(repr(f["checkpoint_id"])),
                 f"{f['nbytes']:,}",

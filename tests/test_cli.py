@@ -358,6 +358,27 @@ def test_inspect_of_an_uncommitted_checkpoint_file_says_so(
     assert (code, json.loads(out)["committed"]) == (0, False)
 
 
+def test_a_file_without_a_holder_outside_a_checkpointer_is_a_checkpoint_file_not_a_replica(
+    tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A copied-out local file keeps the format but has no holder: calling it a replica (a
+    # peer's copy) would send an operator looking for the wrong rank's disk.
+    loose = tree / "copied" / "rank00000.astage"
+    loose.parent.mkdir()
+    shutil.copy(step_file(tree, 4, 0), loose)
+    code, out, err = in_process(["inspect", "--json", "--no-verify", str(loose)], capsys)
+    doc = json.loads(out)
+    assert (code, doc["kind"], doc["holder_rank"], "committed" in doc) == (0, "checkpoint", None, False)
+    code, out, err = in_process(["inspect", "--no-verify", str(loose)], capsys)
+    assert code == 0, err
+    assert "checkpoint file of rank 0, step 4 (outside a Checkpointer's step directory" in out
+    assert "replica" not in out
+    code, out, err = in_process(["ls", str(loose.parent)], capsys)
+    assert code == 0, err
+    assert "replicas and other checkpoint files in" in out
+    assert "None" not in out
+
+
 def test_an_error_naming_untrusted_text_is_one_plain_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
