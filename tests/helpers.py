@@ -20,10 +20,13 @@ import contextlib
 import dataclasses
 import gc
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -33,6 +36,7 @@ import sniffio
 import torch
 from blockbuster import blockbuster_ctx
 
+import astage._copy
 from astage import DefaultStager
 from astage._persist import is_temp_name
 
@@ -234,9 +238,22 @@ POISON = 0xA5
 """The byte written over every released buffer: no source tensor in these tests is all 0xA5."""
 
 
+# The two places below reach into a stager's pool; everything else reads ``pool_stats()``.
+# ``free_buffers`` needs the idle memory itself (a stat counts bytes; a late-write check must
+# look at the bytes).  ``_settle`` exists because ``pool_stats()`` counts a buffer whose staged
+# copy was dropped as handed out until the pool next looks (at its next request): reading
+# the stat alone would wait for a stage that never comes.
+
+
 def free_buffers(stager: DefaultStager) -> list[torch.UntypedStorage]:
     """The storages idle in ``stager``'s pool (released, free for the next stage)."""
     return stager._pool.idle_storages()
+
+
+def _settle(stager: DefaultStager) -> int:
+    """Let the pool take back buffers nothing references; then ``handed_out_bytes``."""
+    stager._pool.reclaim()
+    return stager.pool_stats().handed_out_bytes
 
 
 def poison(storages: list[torch.UntypedStorage]) -> None:
@@ -265,27 +282,53 @@ async def until_reclaimed(stager: DefaultStager, patience: float = 2.0, *, colle
     """
     started = time.perf_counter()
     while True:
-        stager._pool.reclaim()
-        if not stager.pool_stats().handed_out_bytes:
+        if not _settle(stager):
             return time.perf_counter() - started
         if time.perf_counter() - started > patience:
             break
         await anyio.sleep(0.002)
     before = stager.pool_stats()
     gc.collect()
-    stager._pool.reclaim()
-    held = stager.pool_stats().handed_out_bytes
+    held = _settle(stager)
     if collect and not held:
         return time.perf_counter() - started
     why = "by reference cycles only" if not held else "by live references"
     raise AssertionError(f"buffers still referenced {patience}s later, {why}: {before}")
 
 
+def threads_inside(*modules: ModuleType) -> list[str]:
+    """Names of the other threads whose stack is in one of ``modules``'s code right now."""
+    files = {m.__file__ for m in modules}
+    names = {t.ident: t.name for t in threading.enumerate()}
+    busy = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        stack = frame
+        while stack is not None and stack.f_code.co_filename not in files:
+            stack = stack.f_back
+        if stack is not None:
+            busy.append(names.get(ident, str(ident)))
+    return busy
+
+
+async def quiet(*modules: ModuleType, window: float, seconds: float = 10.0) -> None:
+    """Wait until no other thread runs ``modules``'s code, then ``window`` more seconds.
+
+    For checks that something did *not* happen in a worker thread, which no event reports:
+    waiting for the threads to leave the code lets a late write of any length land before the
+    check, and the window covers work handed to a thread that has not started it yet.
+    """
+    await until(lambda: not threads_inside(*modules), seconds=seconds)
+    await anyio.sleep(window)
+
+
 async def assert_no_late_writes(stager: DefaultStager, wait: float = 0.05) -> None:
-    """Poison every released buffer, wait, and check nothing wrote into one meanwhile."""
+    """Poison every released buffer, let the copying threads finish, and check that nothing
+    wrote into one meanwhile."""
     storages = free_buffers(stager)
     poison(storages)
-    await anyio.sleep(wait)
+    await quiet(astage._copy, window=wait)
     touched = unpoisoned(storages)
     assert not touched, f"{len(touched)} released buffer(s) were written after their release"
 

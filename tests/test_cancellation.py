@@ -40,6 +40,7 @@ import torch.distributed as dist
 from blockbuster import blockbuster_ctx
 
 import astage
+import astage._persist
 from astage._copy import run_batch
 from astage._format import encode
 from astage._persist import load_replica_sync, replica_path, write_replica
@@ -47,6 +48,7 @@ from tests.distributed import run_group
 from tests.helpers import (
     assert_no_late_writes,
     no_blocking_calls_on_the_loop,  # noqa: F401 - autouse fixture
+    quiet,
     run_cancelled_at,
     temp_files,
     until_reclaimed,
@@ -218,13 +220,14 @@ async def test_a_stage_cancelled_mid_copy_hands_its_buffers_back_though_the_copy
 
 
 async def assert_no_write_after_close(wait: float = 0.02) -> None:
-    """Open sentinel files on the lowest free descriptors (those the writer just closed),
-    wait, and check nothing wrote into them: a late ``write`` on a reused descriptor would."""
+    """Open sentinel files on the lowest free descriptors (those the writer just closed), let
+    the writing threads finish, and check nothing wrote into them: a late ``write`` on a
+    reused descriptor would."""
     sentinel = b"sentinel" * 512
     fds = [os.memfd_create("astage-sentinel") for _ in range(8)]
     for fd in fds:
         os.write(fd, sentinel)
-    await anyio.sleep(wait)
+    await quiet(astage._persist, window=wait)
     try:
         for fd in fds:
             assert os.pread(fd, len(sentinel) + 1, 0) == sentinel, f"descriptor {fd} was written after close"

@@ -22,6 +22,7 @@ from astage import (
     StagingOptions,
     UnsupportedInputError,
 )
+from tests.helpers import until
 from tests.statedicts import assert_same_tree, bytes_equal, rich_state_dict, storage_key, tensors_of
 
 pytestmark = pytest.mark.anyio
@@ -140,20 +141,24 @@ async def test_concurrent_stages_on_one_stager_do_not_corrupt_each_other() -> No
 async def test_memory_cap_applies_back_pressure_and_is_never_exceeded() -> None:
     one = 1 << 20
     cap = 3 * one
-    peak = 0
+    peak = most_waiting = 0
     finished: list[int] = []
     async with DefaultStager(StagingOptions(max_staging_bytes=cap)) as stager:
 
         async def monitor() -> None:
-            nonlocal peak
+            nonlocal peak, most_waiting
             while True:
-                peak = max(peak, stager.pool_stats().total_bytes)
+                stats = stager.pool_stats()
+                peak = max(peak, stats.total_bytes)
+                most_waiting = max(most_waiting, stats.waiters)
                 await anyio.lowlevel.checkpoint()
 
         async def job(i: int) -> None:
             staged = await stager.stage({"x": torch.full((one // 4,), float(i))})
             assert staged["x"][0].item() == float(i)
-            await anyio.sleep(0.01)
+            # Hold the copy until another stage waits for room (until the last few, which
+            # all fit): the cap, not the timing, is what makes the others wait.
+            await until(lambda: stager.pool_stats().waiters > 0 or len(finished) >= 12 - cap // one)
             await stager.release(staged)
             finished.append(i)
 
@@ -165,6 +170,7 @@ async def test_memory_cap_applies_back_pressure_and_is_never_exceeded() -> None:
             outer.cancel_scope.cancel()
     assert sorted(finished) == list(range(12))
     assert 0 < peak <= cap
+    assert most_waiting > 0, "no stage ever waited: the cap was never what held one back"
 
 
 async def test_a_request_larger_than_the_cap_fails_at_once() -> None:
