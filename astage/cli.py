@@ -415,7 +415,8 @@ def _read_step(step_dir: Path, step: int) -> _Step:
 
 
 def _find(top: Path) -> tuple[dict[Path, list[_Step]], dict[Path, list[Path]]]:
-    """Checkpoint directories (with their step directories) and replica files under ``top``."""
+    """Checkpoint directories (with their step directories) and the other checkpoint files
+    (replicas) under ``top``."""
     checkpoints: dict[Path, list[_Step]] = {}
     replicas: dict[Path, list[Path]] = {}
     if (step := step_of_dir(top.name)) is not None:
@@ -710,8 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         help="list checkpoint steps and replicas under a directory, and check the committed ones",
         description="List what lies under DIR, recursively: each checkpoint directory's steps (committed "
-        "or not, ranks, size, the latest complete step) and each replica file. Every committed step is "
-        "checked against its commit marker, as a restore would; exits 1 if one is damaged.",
+        "or not, ranks, size, the latest complete step) and each replica (any other checkpoint file). "
+        "Every committed step is checked against its commit marker, as a restore would; exits 1 if one "
+        "is damaged.",
     )
     ls.add_argument(
         "directory", type=Path, metavar="DIR", help="a checkpoint directory, a step directory, or a parent"
