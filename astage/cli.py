@@ -674,15 +674,8 @@ def _bench(names: list[str], quick: bool) -> int:
 # -- the command ------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command's argument parser (every argument has help text)."""
-    parser = argparse.ArgumentParser(
-        prog="astage", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--version", action="version", version=f"astage {astage.__version__}")
-    sub = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", help="what to do (`astage COMMAND --help`: more)"
-    )
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``astage demo``'s arguments."""
     demo = sub.add_parser(
         "demo",
         help="train on local ranks, checkpoint and replicate every few steps, restore and check",
@@ -695,6 +688,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--directory", type=Path, default=None, help="where to checkpoint (default: a temporary directory)"
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's argument parser (every argument has help text)."""
+    parser = argparse.ArgumentParser(
+        prog="astage", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"astage {astage.__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do (`astage COMMAND --help`: more)"
+    )
+    _add_demo(sub)
     inspect = sub.add_parser(
         "inspect",
         help="show a checkpoint file, replica or commit marker, and verify its checksums",
