@@ -405,21 +405,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
-                if shared is not None:  # the body and checksums as they are, a new prefix
-                    make = functools.partial(shared.relabel, owner_rank=self.rank, holder_rank=self.send_to)
-                else:
-                    make = functools.partial(
-                        encode,
-                        staged,
-                        owner_rank=self.rank,
-                        holder_rank=self.send_to,
-                        step=step,
-                        checkpoint_id=ckpt,
-                    )
-                # Boxed: the worker thread must not keep the replica, which views the
-                # staged buffers, once this resumes (see astage._threads).
-                encoded: Encoded = await run_sync(make)
-                del shared, make
+                encoded = await self._encode(staged, step, ckpt, shared)
+                del shared
             encoded_at = time.perf_counter()
             path = replica_path(
                 self.storage_dir,
@@ -427,44 +414,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 holder_rank=self.rank,
                 step=None if self.keep is None else step,
             )
-            sink = _StreamingSink(path, self.recv_from, self._inbox)
             try:
-                try:
-                    received = await _transport.exchange(
-                        self.process_group,
-                        _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),
-                        send_to=self.send_to,
-                        recv_from=self.recv_from,
-                        timeout=_remaining(deadline),
-                        max_body_bytes=self.max_replica_bytes,
-                        chunk_bytes=self.chunk_bytes,
-                        allocate=sink.allocate,
-                        on_prefix=sink.on_prefix,
-                        on_chunk=sink.on_chunk,
-                        on_posted=self._posted,
-                    )
-                    self._phase = ReplicationPhase.EXCHANGED
-                    persist_started = time.perf_counter()
-                    header = await sink.finish()
-                    if sink.retired is not None:
-                        self._retired.append(sink.retired)
-                    if self.keep is not None:
-                        self._retired += await blocking_io(self._beyond_keep)
-                except Exception as exc:
-                    if self._phase is not ReplicationPhase.EXCHANGED:
-                        raise
-                    # The group is in step: tell the peer its replica is not kept, then fail.
-                    try:
-                        await self._ack(False, f"rank {self.rank} could not keep it: {exc}", deadline)
-                    except PeerReportedError:
-                        pass  # the peer failed too, and said so: acknowledged both ways
-                    except TransportError as ack_failure:
-                        # The peer was not told, and the transport broke the group doing so.
-                        self._broken = _describe(ack_failure)
-                    raise
-                finally:
-                    await sink.aclose()
-                acked = time.perf_counter()
+                received, header, persist_started, acked = await self._exchange_and_keep(
+                    encoded, path, deadline
+                )
                 await self._ack(True, "", deadline)
             except BaseException as exc:
                 if self._phase.failure_breaks_group and self._broken is None:
@@ -490,6 +443,103 @@ class ReplicationStager(anyio.abc.AsyncResource):
             stats.seconds,
         )
         return ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats, received.body)
+
+    async def _encode(self, staged: Any, step: int, ckpt: str, shared: Encoded | None) -> Encoded:
+        """This rank's replica: ``shared``'s body and checksums with a new prefix, or encoded anew."""
+        if shared is not None:
+            make = functools.partial(shared.relabel, owner_rank=self.rank, holder_rank=self.send_to)
+        else:
+            make = functools.partial(
+                encode, staged, owner_rank=self.rank, holder_rank=self.send_to, step=step, checkpoint_id=ckpt
+            )
+        # Boxed: the worker thread must not keep the replica, which views the staged
+        # buffers, once this resumes (see astage._threads).
+        return await run_sync(make)
+
+    async def _exchange_and_keep(
+        self, encoded: Encoded, path: Path, deadline: float
+    ) -> tuple[_transport.Received, ReplicaHeader, float, float]:
+        """Exchange replicas with the peers and make the received one durable at ``path``.
+
+        :returns: what was received, its header, and when persisting began and ended.
+        A local failure after the exchange is told to the peer before it is raised.
+        """
+        sink = _StreamingSink(path, self.recv_from, self._inbox)
+        try:
+            received = await self._wire(
+                _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),
+                sink,
+                send_to=self.send_to,
+                recv_from=self.recv_from,
+                deadline=deadline,
+            )
+            assert received is not None
+            self._phase = ReplicationPhase.EXCHANGED
+            persist_started = time.perf_counter()
+            header = await sink.finish()
+            if sink.retired is not None:
+                self._retired.append(sink.retired)
+            if self.keep is not None:
+                self._retired += await blocking_io(self._beyond_keep)
+        except Exception as exc:
+            if self._phase is ReplicationPhase.EXCHANGED:
+                await self._refuse(exc, deadline)
+            raise
+        finally:
+            await sink.aclose()
+        return received, header, persist_started, time.perf_counter()
+
+    async def _refuse(self, exc: Exception, deadline: float) -> None:
+        """Tell the peer its replica is not kept (the group is in step); the caller raises."""
+        try:
+            await self._ack(False, f"rank {self.rank} could not keep it: {exc}", deadline)
+        except PeerReportedError:
+            pass  # the peer failed too, and said so: acknowledged both ways
+        except TransportError as ack_failure:
+            # The peer was not told, and the transport broke the group doing so.
+            self._broken = _describe(ack_failure)
+
+    async def _wire(
+        self,
+        payload: _transport.Payload | None,
+        sink: _StreamingSink | None,
+        *,
+        send_to: int | None,
+        recv_from: int | None,
+        deadline: float,
+        track_phase: bool = True,
+    ) -> _transport.Received | None:
+        """Send ``payload`` to ``send_to`` and/or receive into ``sink`` from ``recv_from``.
+
+        The one path to the wire for replicating, recovering and restoring: one transport
+        call with this stager's group, caps and chunk size, within ``deadline``
+        (``time.perf_counter``).  With ``track_phase``, an exchange marks the phase *posted*
+        as it first touches the group.
+        """
+        timeout = _remaining(deadline)
+        if recv_from is None:
+            assert payload is not None
+            assert send_to is not None
+            await _transport.send(
+                self.process_group, payload, to=send_to, timeout=timeout, chunk_bytes=self.chunk_bytes
+            )
+            return None
+        hooks: dict[str, Any] = {"max_body_bytes": self.max_replica_bytes}
+        if sink is not None:
+            hooks |= {"allocate": sink.allocate, "on_prefix": sink.on_prefix, "on_chunk": sink.on_chunk}
+        if payload is None:
+            return await _transport.recv(self.process_group, from_=recv_from, timeout=timeout, **hooks)
+        assert send_to is not None
+        return await _transport.exchange(
+            self.process_group,
+            payload,
+            send_to=send_to,
+            recv_from=recv_from,
+            timeout=timeout,
+            chunk_bytes=self.chunk_bytes,
+            on_posted=self._posted if track_phase else None,
+            **hooks,
+        )
 
     async def recover(self) -> Any | None:
         """Get this rank's own state back from the peer that holds its replica.
@@ -517,15 +567,12 @@ class ReplicationStager(anyio.abc.AsyncResource):
             )
             self._phase = ReplicationPhase.STAGED
             try:
-                received = await _transport.exchange(
-                    self.process_group,
+                received = await self._wire(
                     _transport.Payload(prefix, segments, nbytes),
+                    None,
                     send_to=self.recv_from,
                     recv_from=self.send_to,
-                    timeout=self.timeout,
-                    max_body_bytes=self.max_replica_bytes,
-                    chunk_bytes=self.chunk_bytes,
-                    on_posted=self._posted,
+                    deadline=time.perf_counter() + self.timeout,
                 )
             except BaseException as exc:
                 if self._phase.failure_breaks_group:
@@ -533,6 +580,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 raise
             # Recovery has no acknowledgement: the exchange completing ends the protocol.
             self._phase = ReplicationPhase.ACKNOWLEDGED
+        assert received is not None
         if not received.prefix:
             return None
         header = parse_prefix(received.prefix)
