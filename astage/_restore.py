@@ -58,7 +58,8 @@ from ._persist import (
 )
 from ._plan import rebuild
 from ._pool import BufferPool
-from ._replication import ReplicationStager, _remaining, _StreamingSink
+from ._replication import ReplicationStager, _remaining
+from ._sink import _StreamingSink
 
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer
