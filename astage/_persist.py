@@ -42,11 +42,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final, Literal, Self, TypeVar
 
 import aiofiles.os
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import sniffio
 import torch
@@ -310,7 +310,7 @@ def _batches(data: BytesLike | Iterable[BytesLike], chunk_nbytes: int) -> Iterat
         yield batch
 
 
-class ReplicaWriter:
+class ReplicaWriter(anyio.abc.AsyncResource):
     """Stream bytes into a temp file next to ``path``; :meth:`commit` makes them durable there.
 
     ::
@@ -356,16 +356,9 @@ class ReplicaWriter:
         self._started = 0.0
 
     async def __aenter__(self) -> Self:
+        # Open on entry; AsyncResource's __aexit__ calls aclose.
         await self.open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def _run(self, step: _Step, fn: Any, *args: Any) -> Any:
         try:

@@ -50,12 +50,10 @@ from ._errors import (
     ConfigurationError,
     IntegrityError,
     PeerReportedError,
-    PersistError,
     TransportError,
 )
 from ._errors import describe as _describe
 from ._format import (
-    BodyVerifier,
     Encoded,
     ReplicaHeader,
     byte_view,
@@ -67,17 +65,15 @@ from ._format import (
 from ._limits import INT64
 from ._options import StagingOptions, coerce_options
 from ._persist import (
-    DirOpener,
-    ReplicaWriter,
     _ReplicaFile,
     blocking_io,
     inspect_replica,
     make_dirs_durable,
     replica_path,
     sweep_stale_temps,
-    temp_path_for,
 )
-from ._pool import BufferKind, BufferPool, Lease
+from ._pool import BufferKind, BufferPool
+from ._sink import _delete, _StreamingSink
 from ._stager import DefaultStager, StageStats
 from ._threads import run_sync
 from ._validate import check_int, check_path, check_seconds
@@ -405,21 +401,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
-                if shared is not None:  # the body and checksums as they are, a new prefix
-                    make = functools.partial(shared.relabel, owner_rank=self.rank, holder_rank=self.send_to)
-                else:
-                    make = functools.partial(
-                        encode,
-                        staged,
-                        owner_rank=self.rank,
-                        holder_rank=self.send_to,
-                        step=step,
-                        checkpoint_id=ckpt,
-                    )
-                # Boxed: the worker thread must not keep the replica, which views the
-                # staged buffers, once this resumes (see astage._threads).
-                encoded: Encoded = await run_sync(make)
-                del shared, make
+                encoded = await self._encode(staged, step, ckpt, shared)
+                del shared
             encoded_at = time.perf_counter()
             path = replica_path(
                 self.storage_dir,
@@ -427,44 +410,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 holder_rank=self.rank,
                 step=None if self.keep is None else step,
             )
-            sink = _StreamingSink(path, self.recv_from, self._inbox)
             try:
-                try:
-                    received = await _transport.exchange(
-                        self.process_group,
-                        _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),
-                        send_to=self.send_to,
-                        recv_from=self.recv_from,
-                        timeout=_remaining(deadline),
-                        max_body_bytes=self.max_replica_bytes,
-                        chunk_bytes=self.chunk_bytes,
-                        allocate=sink.allocate,
-                        on_prefix=sink.on_prefix,
-                        on_chunk=sink.on_chunk,
-                        on_posted=self._posted,
-                    )
-                    self._phase = ReplicationPhase.EXCHANGED
-                    persist_started = time.perf_counter()
-                    header = await sink.finish()
-                    if sink.retired is not None:
-                        self._retired.append(sink.retired)
-                    if self.keep is not None:
-                        self._retired += await blocking_io(self._beyond_keep)
-                except Exception as exc:
-                    if self._phase is not ReplicationPhase.EXCHANGED:
-                        raise
-                    # The group is in step: tell the peer its replica is not kept, then fail.
-                    try:
-                        await self._ack(False, f"rank {self.rank} could not keep it: {exc}", deadline)
-                    except PeerReportedError:
-                        pass  # the peer failed too, and said so: acknowledged both ways
-                    except TransportError as ack_failure:
-                        # The peer was not told, and the transport broke the group doing so.
-                        self._broken = _describe(ack_failure)
-                    raise
-                finally:
-                    await sink.aclose()
-                acked = time.perf_counter()
+                received, header, persist_started, acked = await self._exchange_and_keep(
+                    encoded, path, deadline
+                )
                 await self._ack(True, "", deadline)
             except BaseException as exc:
                 if self._phase.failure_breaks_group and self._broken is None:
@@ -490,6 +439,103 @@ class ReplicationStager(anyio.abc.AsyncResource):
             stats.seconds,
         )
         return ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats, received.body)
+
+    async def _encode(self, staged: Any, step: int, ckpt: str, shared: Encoded | None) -> Encoded:
+        """This rank's replica: ``shared``'s body and checksums with a new prefix, or encoded anew."""
+        if shared is not None:
+            make = functools.partial(shared.relabel, owner_rank=self.rank, holder_rank=self.send_to)
+        else:
+            make = functools.partial(
+                encode, staged, owner_rank=self.rank, holder_rank=self.send_to, step=step, checkpoint_id=ckpt
+            )
+        # Boxed: the worker thread must not keep the replica, which views the staged
+        # buffers, once this resumes (see astage._threads).
+        return await run_sync(make)
+
+    async def _exchange_and_keep(
+        self, encoded: Encoded, path: Path, deadline: float
+    ) -> tuple[_transport.Received, ReplicaHeader, float, float]:
+        """Exchange replicas with the peers and make the received one durable at ``path``.
+
+        :returns: what was received, its header, and when persisting began and ended.
+        A local failure after the exchange is told to the peer before it is raised.
+        """
+        sink = _StreamingSink(path, self.recv_from, self._inbox)
+        try:
+            received = await self._wire(
+                _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),
+                sink,
+                send_to=self.send_to,
+                recv_from=self.recv_from,
+                deadline=deadline,
+            )
+            assert received is not None
+            self._phase = ReplicationPhase.EXCHANGED
+            persist_started = time.perf_counter()
+            header = await sink.finish()
+            if sink.retired is not None:
+                self._retired.append(sink.retired)
+            if self.keep is not None:
+                self._retired += await blocking_io(self._beyond_keep)
+        except Exception as exc:
+            if self._phase is ReplicationPhase.EXCHANGED:
+                await self._refuse(exc, deadline)
+            raise
+        finally:
+            await sink.aclose()
+        return received, header, persist_started, time.perf_counter()
+
+    async def _refuse(self, exc: Exception, deadline: float) -> None:
+        """Tell the peer its replica is not kept (the group is in step); the caller raises."""
+        try:
+            await self._ack(False, f"rank {self.rank} could not keep it: {exc}", deadline)
+        except PeerReportedError:
+            pass  # the peer failed too, and said so: acknowledged both ways
+        except TransportError as ack_failure:
+            # The peer was not told, and the transport broke the group doing so.
+            self._broken = _describe(ack_failure)
+
+    async def _wire(
+        self,
+        payload: _transport.Payload | None,
+        sink: _StreamingSink | None,
+        *,
+        send_to: int | None,
+        recv_from: int | None,
+        deadline: float,
+        track_phase: bool = True,
+    ) -> _transport.Received | None:
+        """Send ``payload`` to ``send_to`` and/or receive into ``sink`` from ``recv_from``.
+
+        The one path to the wire for replicating, recovering and restoring: one transport
+        call with this stager's group, caps and chunk size, within ``deadline``
+        (``time.perf_counter``).  With ``track_phase``, an exchange marks the phase *posted*
+        as it first touches the group.
+        """
+        timeout = _remaining(deadline)
+        if recv_from is None:
+            assert payload is not None
+            assert send_to is not None
+            await _transport.send(
+                self.process_group, payload, to=send_to, timeout=timeout, chunk_bytes=self.chunk_bytes
+            )
+            return None
+        hooks: dict[str, Any] = {"max_body_bytes": self.max_replica_bytes}
+        if sink is not None:
+            hooks |= {"allocate": sink.allocate, "on_prefix": sink.on_prefix, "on_chunk": sink.on_chunk}
+        if payload is None:
+            return await _transport.recv(self.process_group, from_=recv_from, timeout=timeout, **hooks)
+        assert send_to is not None
+        return await _transport.exchange(
+            self.process_group,
+            payload,
+            send_to=send_to,
+            recv_from=recv_from,
+            timeout=timeout,
+            chunk_bytes=self.chunk_bytes,
+            on_posted=self._posted if track_phase else None,
+            **hooks,
+        )
 
     async def recover(self) -> Any | None:
         """Get this rank's own state back from the peer that holds its replica.
@@ -517,15 +563,12 @@ class ReplicationStager(anyio.abc.AsyncResource):
             )
             self._phase = ReplicationPhase.STAGED
             try:
-                received = await _transport.exchange(
-                    self.process_group,
+                received = await self._wire(
                     _transport.Payload(prefix, segments, nbytes),
+                    None,
                     send_to=self.recv_from,
                     recv_from=self.send_to,
-                    timeout=self.timeout,
-                    max_body_bytes=self.max_replica_bytes,
-                    chunk_bytes=self.chunk_bytes,
-                    on_posted=self._posted,
+                    deadline=time.perf_counter() + self.timeout,
                 )
             except BaseException as exc:
                 if self._phase.failure_breaks_group:
@@ -533,6 +576,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 raise
             # Recovery has no acknowledgement: the exchange completing ends the protocol.
             self._phase = ReplicationPhase.ACKNOWLEDGED
+        assert received is not None
         if not received.prefix:
             return None
         header = parse_prefix(received.prefix)
@@ -636,135 +680,3 @@ def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
     finally:
         f.close()
     return f.prefix, body
-
-
-def _retire_previous(path: Path) -> Path | None:
-    """Give the replica at ``path`` a second name, a temp-file one, before it is replaced.
-
-    Replacing a file deletes the one it replaces, and deleting a large file (freeing and
-    discarding its blocks) measured 0.1-0.2 s per 0.4 GB here, in the middle of the commit.
-    With a second name the replace only drops a link; the caller deletes the old replica
-    later, while it stages the next one.  ``None`` when there is no previous replica or the
-    file system has no hard links (then the replace deletes it, as usual).
-    """
-    retired = temp_path_for(path)
-    try:
-        os.link(path, retired)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.debug("cannot link %s to %s (%s): replacing it will delete it", path, retired.name, exc)
-        return None
-    return retired
-
-
-def _delete(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove the replaced replica %s: %s", path, exc)
-
-
-class _StreamingSink:
-    """Writes and verifies a replica as the transport delivers it.
-
-    The prefix is parsed (in a worker thread) as soon as it lands, and the body is received
-    into a buffer of the stager's inbox pool (reused from call to call once nothing
-    references the previous replica).  Each body chunk is written to the temp file and
-    checked against its storages' checksums while the next ones are still on the wire, so
-    persisting and verifying overlap receiving and no second pass over the body is needed.
-    A disk or checksum error does not abort the transfer (that would break the group): the
-    rest is drained and the error raised by :meth:`finish`, after which the peer is told.
-    Nothing is renamed into place before the whole body has been verified.
-    """
-
-    def __init__(
-        self, path: Path, owner_rank: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
-    ) -> None:
-        self.writer = ReplicaWriter(path, open_dir=open_dir)
-        self.owner_rank = owner_rank
-        self.inbox = inbox
-        self.lease: Lease | None = None
-        self.verifier: BodyVerifier | None = None  # set, with the header, by on_prefix
-        self.error: Exception | None = None
-        self.retired: Path | None = None  # the replica this one replaced, for the caller to delete
-
-    async def on_prefix(self, prefix: bytes) -> None:
-        # An IntegrityError here aborts the transfer: the peer is not speaking our format.
-        header = await anyio.to_thread.run_sync(parse_prefix, prefix)
-        if header.owner_rank != self.owner_rank:
-            raise IntegrityError(
-                f"expected rank {self.owner_rank}'s replica, the header says rank {header.owner_rank}"
-            )
-        self.verifier = BodyVerifier(header)
-        if header.body_nbytes:
-            self.lease = await self.inbox.acquire([header.body_nbytes])
-        await self._write(memoryview(prefix), open_first=True)
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """The body buffer leased in :meth:`on_prefix` (the transport calls this next)."""
-        assert self.verifier is not None
-        expected = self.verifier.header.body_nbytes
-        if nbytes != expected:
-            raise IntegrityError(
-                f"rank {self.owner_rank} announces a {nbytes}-byte body, its header says {expected}"
-            )
-        if self.lease is None:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.empty(0, dtype=torch.uint8).set_(self.lease.storages[0])
-
-    async def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
-        data = byte_view(chunk)
-        # The write and the checksums read the same bytes, independently: run them at once.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write, data)
-            tg.start_soon(self._verify, data)
-
-    async def _verify(self, data: memoryview) -> None:
-        assert self.verifier is not None
-        if self.error is not None:  # after a mismatch the verifier is out of step: stop
-            return
-        try:
-            await anyio.to_thread.run_sync(self.verifier.update, data)
-        except IntegrityError as exc:
-            self.error = self.error or exc
-
-    async def _write(self, data: memoryview, *, open_first: bool = False) -> None:
-        if self.error is not None:
-            return
-        try:
-            if open_first:
-                await self.writer.open()
-            await self.writer.write(data)
-        except PersistError as exc:
-            self.error = self.error or exc
-
-    async def finish(self) -> ReplicaHeader:
-        """Check the whole replica came in and verified, then make it durable."""
-        if self.error is not None:
-            raise self.error
-        assert self.verifier is not None
-        self.verifier.finish()
-        retired = await blocking_io(_retire_previous, self.writer.path)
-        try:
-            await self.writer.commit()
-        except BaseException:
-            # Before the rename the extra name is only a link to the replica still in place;
-            # after it (only the directory fsync failed) it is the old replica itself.
-            if retired is not None:
-                with anyio.CancelScope(shield=True):
-                    await blocking_io(_delete, retired)
-            raise
-        self.retired = retired
-        return self.verifier.header
-
-    async def aclose(self) -> None:
-        """Discard the temp file unless committed; the body buffer goes back to the inbox
-        once nothing (the transport, a result, a decoded replica) references it."""
-        with anyio.CancelScope(shield=True):
-            await self.writer.aclose()
-        if self.lease is not None:
-            self.inbox.hand_out(self.lease)
-            self.lease = None

@@ -58,7 +58,8 @@ from ._persist import (
 )
 from ._plan import rebuild
 from ._pool import BufferPool
-from ._replication import ReplicationStager, _StreamingSink
+from ._replication import ReplicationStager, _remaining
+from ._sink import _StreamingSink
 
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer
@@ -202,10 +203,6 @@ def _unpack(data: bytes, kind: int, round_: int, source: int) -> list[int]:
             f"round {got_round}, expected {kind} of round {round_}): did every rank call restore()?"
         )
     return list(struct.unpack_from(f"<{n}q", data, 32))
-
-
-def _remaining(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 1e-3)
 
 
 async def all_gather(
@@ -420,7 +417,7 @@ async def collective_restore(ckpt: Checkpointer, rs: ReplicationStager, step: in
 
 
 async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | None) -> Any:
-    started = time.monotonic()
+    started = time.perf_counter()
     deadline = started + rs.timeout
     own_bad: set[int] = set()
     held_bad: set[int] = set()
@@ -439,33 +436,8 @@ async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | N
         outcomes = await all_gather(
             rs, [attempt.local, attempt.fetched], kind=_OUTCOME, round_=round_, deadline=deadline
         )
-        for source, outcome in enumerate(outcomes):
-            if len(outcome) != 2 or not all(NOT_NEEDED <= code <= UNWRITABLE for code in outcome):
-                raise TransportError(f"rank {source} sent a malformed restore outcome")
         s = plan.step
-        unwritable = [rank for rank, (_, fetched) in enumerate(outcomes) if fetched == UNWRITABLE]
-        if unwritable:
-            if attempt.unwritable is not None:
-                raise attempt.unwritable
-            raise ResourceError(
-                f"cannot restore step {s}: rank(s) {unwritable} could not write the copy they "
-                "received from their holder (see their logs)"
-            )
-        failed = False
-        for rank, (local, fetched) in enumerate(outcomes):
-            holder = plan.holders[rank]
-            if local == CORRUPT:
-                failed = True
-                refused.append(f"the local checkpoint of step {s} of rank {rank}")
-                if rank == rs.rank:
-                    own_bad.add(s)
-            if fetched in (CORRUPT, UNREADABLE):
-                failed = True
-                what = "corrupt" if fetched == CORRUPT else "unreadable"
-                refused.append(f"the replica of step {s} of rank {rank} held by rank {holder} ({what})")
-                if holder == rs.rank:
-                    held_bad.add(s)
-        if not failed:
+        if not _judge(rs, plan, attempt, outcomes, refused, own_bad, held_bad):
             how = "from its holder" if rs.rank in plan.fetch else "from its own files"
             log.info(
                 "rank %d restored step %d %s (ranks %s from their holders) in %.3f s",
@@ -473,13 +445,56 @@ async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | N
                 s,
                 how,
                 sorted(plan.fetch),
-                time.monotonic() - started,
+                time.perf_counter() - started,
             )
             if requested is None:
                 await _drop_newer(ckpt, rs, s)
             return attempt.state
         log.warning("rank %d: restoring step %d failed somewhere (%s); trying again", rs.rank, s, refused[-1])
         round_ += 1
+
+
+def _judge(
+    rs: ReplicationStager,
+    plan: RestorePlan,
+    attempt: _Attempt,
+    outcomes: list[list[int]],
+    refused: list[str],
+    own_bad: set[int],
+    held_bad: set[int],
+) -> bool:
+    """Whether the round failed somewhere; notes the copies to exclude from the next round.
+
+    :raises TransportError: a rank sent a malformed outcome.
+    :raises ResourceError: a rank could not write the copy it received (no retry helps).
+    """
+    for source, outcome in enumerate(outcomes):
+        if len(outcome) != 2 or not all(NOT_NEEDED <= code <= UNWRITABLE for code in outcome):
+            raise TransportError(f"rank {source} sent a malformed restore outcome")
+    s = plan.step
+    unwritable = [rank for rank, (_, fetched) in enumerate(outcomes) if fetched == UNWRITABLE]
+    if unwritable:
+        if attempt.unwritable is not None:
+            raise attempt.unwritable
+        raise ResourceError(
+            f"cannot restore step {s}: rank(s) {unwritable} could not write the copy they "
+            "received from their holder (see their logs)"
+        )
+    failed = False
+    for rank, (local, fetched) in enumerate(outcomes):
+        holder = plan.holders[rank]
+        if local == CORRUPT:
+            failed = True
+            refused.append(f"the local checkpoint of step {s} of rank {rank}")
+            if rank == rs.rank:
+                own_bad.add(s)
+        if fetched in (CORRUPT, UNREADABLE):
+            failed = True
+            what = "corrupt" if fetched == CORRUPT else "unreadable"
+            refused.append(f"the replica of step {s} of rank {rank} held by rank {holder} ({what})")
+            if holder == rs.rank:
+                held_bad.add(s)
+    return failed
 
 
 async def _attempt(
@@ -534,69 +549,49 @@ async def _transfer(
     attempt: _Attempt,
     deadline: float,
 ) -> None:
-    s = plan.step
-    payload = _transport.Payload(b"", (), 0)
-    if send:
-        try:
-            if source is None:
-                raise FileNotFoundError(f"no replica of step {s} of rank {rs.recv_from}")
-            prefix, body = await anyio.to_thread.run_sync(_map_replica, source, rs.recv_from, s)
-            payload = _transport.Payload(prefix, ((0, body),), body.numel())
-        except (OSError, IntegrityError) as exc:
-            # Take part all the same, with nothing: the owner reports it and the ranks agree.
-            log.warning("rank %d: cannot send rank %d its step %d: %s", rs.rank, rs.recv_from, s, exc)
-    sink: _HealingSink | None = None
-    if receive:
-        try:
-            await _forget_step(ckpt, s)
-        except OSError as exc:  # take part all the same: the outcome round reports it
-            attempt.unwritable = PersistError(
-                f"cannot uncommit the unusable step {s} of rank {rs.rank}: {exc}"
-            )
-        # The step directory is opened without following a link, like the Checkpointer's own.
-        opener = ckpt._step_dir_opener(s)
-        sink = _HealingSink(ckpt.step_dir(s) / ckpt._data_name, rs.rank, s, rs._inbox, open_dir=opener)
+    payload = await _outgoing(rs, plan.step, source) if send else None
+    sink = await _incoming(ckpt, rs, plan.step, attempt) if receive else None
     try:
-        if send and receive:
-            assert sink is not None
-            await _transport.exchange(
-                rs.process_group,
-                payload,
-                send_to=rs.recv_from,
-                recv_from=rs.send_to,
-                timeout=_remaining(deadline),
-                max_body_bytes=rs.max_replica_bytes,
-                chunk_bytes=rs.chunk_bytes,
-                allocate=sink.allocate,
-                on_prefix=sink.on_prefix,
-                on_chunk=sink.on_chunk,
-            )
-        elif send:
-            await _transport.send(
-                rs.process_group,
-                payload,
-                to=rs.recv_from,
-                timeout=_remaining(deadline),
-                chunk_bytes=rs.chunk_bytes,
-            )
-        else:
-            assert sink is not None
-            received = await _transport.recv(
-                rs.process_group,
-                from_=rs.send_to,
-                timeout=_remaining(deadline),
-                max_body_bytes=rs.max_replica_bytes,
-                allocate=sink.allocate,
-                on_prefix=sink.on_prefix,
-                on_chunk=sink.on_chunk,
-            )
-            del received
+        await rs._wire(
+            payload,
+            sink,
+            send_to=rs.recv_from if send else None,
+            recv_from=rs.send_to if receive else None,
+            deadline=deadline,
+            track_phase=False,
+        )
         del payload
         if sink is not None:
             await _heal(ckpt, rs, sink, attempt)
     finally:
         if sink is not None:
             await sink.aclose()
+
+
+async def _outgoing(rs: ReplicationStager, step: int, source: Path | None) -> _transport.Payload:
+    """The replica of ``step`` this rank holds for its owner, or nothing if it cannot be read."""
+    try:
+        if source is None:
+            raise FileNotFoundError(f"no replica of step {step} of rank {rs.recv_from}")
+        prefix, body = await anyio.to_thread.run_sync(_map_replica, source, rs.recv_from, step)
+        return _transport.Payload(prefix, ((0, body),), body.numel())
+    except (OSError, IntegrityError) as exc:
+        # Take part all the same, with nothing: the owner reports it and the ranks agree.
+        log.warning("rank %d: cannot send rank %d its step %d: %s", rs.rank, rs.recv_from, step, exc)
+        return _transport.Payload(b"", (), 0)
+
+
+async def _incoming(ckpt: Checkpointer, rs: ReplicationStager, step: int, attempt: _Attempt) -> _HealingSink:
+    """The sink that writes the copy of ``step`` received from the holder as this rank's own."""
+    try:
+        await _forget_step(ckpt, step)
+    except OSError as exc:  # take part all the same: the outcome round reports it
+        attempt.unwritable = PersistError(
+            f"cannot uncommit the unusable step {step} of rank {rs.rank}: {exc}"
+        )
+    # The step directory is opened without following a link, like the Checkpointer's own.
+    opener = ckpt._step_dir_opener(step)
+    return _HealingSink(ckpt.step_dir(step) / ckpt._data_name, rs.rank, step, rs._inbox, open_dir=opener)
 
 
 async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, attempt: _Attempt) -> None:

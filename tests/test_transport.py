@@ -393,6 +393,47 @@ def test_chunks_covered_by_one_segment_are_views_and_the_rest_are_packed() -> No
     assert zeros == (4096,)
 
 
+def test_a_plan_over_many_small_segments_covers_the_body_exactly_in_short_slices() -> None:
+    # 20,000 small storages 64-byte aligned, as the replica format lays them out: every byte of
+    # the body comes from its segment or is a zero gap, whatever the chunk grid, and the walk
+    # gives the loop a turn (a walk that never yielded would hold it for the whole plan).
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.randint(1, 1100, (20_000,), generator=gen).tolist()
+    segments, offset = [], 0
+    for i, n in enumerate(sizes):
+        segments.append((offset, torch.full((n,), i % 251 + 1, dtype=torch.uint8)))
+        offset = -(-(offset + n) // 64) * 64
+    body_nbytes = offset + 100
+    expected = torch.zeros(body_nbytes, dtype=torch.uint8)
+    for at, t in segments:
+        expected[at : at + t.numel()] = t
+    for chunk_bytes in (4096, 1 << 20, 64 << 20):
+        steps = plan_chunks(segments, body_nbytes, chunk_bytes)
+        slices: list[float] = []
+        started = time.perf_counter()
+        try:
+            while True:
+                next(steps)
+                slices.append(time.perf_counter() - started)
+                started = time.perf_counter()
+        except StopIteration as done:
+            plan = done.value
+        assert len(slices) >= 2
+        assert sorted(slices)[len(slices) // 2] < 0.005
+        got = torch.cat(
+            [
+                p if isinstance(p, torch.Tensor) else torch.zeros(p, dtype=torch.uint8)
+                for c in plan.chunks
+                for p in c.parts
+            ]
+        )
+        assert [c.offset for c in plan.chunks] == list(range(0, body_nbytes, chunk_bytes))
+        assert all(
+            c.nbytes == sum(p if isinstance(p, int) else p.numel() for p in c.parts) for c in plan.chunks
+        )
+        assert torch.equal(got, expected)
+
+
 def test_bad_payloads_and_arguments_are_refused_without_a_group() -> None:
     with pytest.raises(astage.ConfigurationError, match="overlaps"):
         drive(

@@ -12,8 +12,9 @@ chunk receives posted into the body and hands each chunk to ``on_chunk`` as it l
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 import torch.distributed as dist
@@ -92,9 +93,7 @@ async def exchange(
     """
     link = Link(pg, timeout, send_to=send_to, recv_from=recv_from, on_posted=on_posted)
     limits = Limits(max_body_bytes, max_prefix_bytes, allocate, on_prefix, on_chunk)
-    plan = await run_steps(plan_chunks(payload.segments, payload.body_nbytes, chunk_bytes))
-    await link.run(lambda: _send(link, payload.prefix, plan), lambda: _receive(link, limits))
-    return link.received()
+    return await _received(link, (payload, chunk_bytes), limits)
 
 
 async def send(
@@ -111,8 +110,7 @@ async def send(
     :raises: as :func:`exchange`.
     """
     link = Link(pg, timeout, send_to=to)
-    plan = await run_steps(plan_chunks(payload.segments, payload.body_nbytes, chunk_bytes))
-    await link.run(lambda: _send(link, payload.prefix, plan))
+    await _run(link, (payload, chunk_bytes), None)
     return link.stats()
 
 
@@ -133,9 +131,9 @@ async def recv(
     :raises: as :func:`exchange`.
     """
     link = Link(pg, timeout, recv_from=from_)
-    limits = Limits(max_body_bytes, max_prefix_bytes, allocate, on_prefix, on_chunk)
-    await link.run(lambda: _receive(link, limits))
-    return link.received()
+    return await _received(
+        link, None, Limits(max_body_bytes, max_prefix_bytes, allocate, on_prefix, on_chunk)
+    )
 
 
 async def send_ack(
@@ -194,6 +192,24 @@ async def exchange_ack(
     link = Link(pg, timeout, send_to=recv_from, recv_from=send_to)
     await link.run(lambda: _send_ack(link, ok, message), lambda: _recv_ack(link))
     link.raise_peer_failure()
+
+
+async def _run(link: Link, outgoing: tuple[Payload, int] | None, limits: Limits | None) -> None:
+    """Run the directions ``link`` takes part in: send ``outgoing`` (payload, chunk size),
+    receive under ``limits``; the payload is validated and planned before anything is posted."""
+    directions: list[Callable[[], Awaitable[None]]] = []
+    if outgoing is not None:
+        payload, chunk_bytes = outgoing
+        plan = await run_steps(plan_chunks(payload.segments, payload.body_nbytes, chunk_bytes))
+        directions.append(functools.partial(_send, link, payload.prefix, plan))
+    if limits is not None:
+        directions.append(functools.partial(_receive, link, limits))
+    await link.run(*directions)
+
+
+async def _received(link: Link, outgoing: tuple[Payload, int] | None, limits: Limits) -> Received:
+    await _run(link, outgoing, limits)
+    return link.received()
 
 
 async def _send(link: Link, prefix: bytes, plan: ChunkPlan) -> None:
