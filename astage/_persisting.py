@@ -12,7 +12,6 @@ Every staged copy goes back to its stager, and a failed save's file is removed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import logging
 import os
@@ -25,8 +24,9 @@ import anyio
 
 from ._directory import rank_file_names, step_dir_name, step_dir_opener
 from ._errors import AstageError
-from ._format import Encoded, ReplicaLayout, lay_out
+from ._format import Encoded, ReplicaLayout
 from ._frames import drop_frames, frames_dropped
+from ._layout_cache import LayoutCache, PendingLayout
 from ._markers import FileEntry, Marker, storages_crc32c
 from ._persist import blocking_io, write_replica
 from ._retention import discard_uncommitted
@@ -56,7 +56,8 @@ class Job:
     stage_stats: StageStats | None
     previous: anyio.Event | None
     staged: Any = None
-    layout: ReplicaLayout | None = None
+    layout: ReplicaLayout | PendingLayout | None = None
+    """Made in full (kept for later saves in the background), or a kept one re-used."""
     entry: FileEntry | None = None
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     written: bool = False
@@ -108,18 +109,19 @@ class Persister:
         self._share_encoded = replication is not None and _takes_encoded(replication)
         self._limiter = limiter
         self._emit = emit
+        self._layouts = LayoutCache(rank)
 
-    async def lay_out(self, staged: Any, step: int, checkpoint_id: str) -> ReplicaLayout:
+    async def lay_out(self, staged: Any, step: int, checkpoint_id: str) -> ReplicaLayout | PendingLayout:
         """Check the staged copy against the replica format and lay it out, before ``save()``
         returns: what the background task could not write is refused here, with its key
-        path.  The walk is the one encoding needs anyway; only the checksums are left for
-        the background.  On any error the copy goes back to the stager."""
+        path.  A copy of a structure laid out before re-uses that layout once checked
+        against it (:mod:`astage._layout_cache`); only the checksums are left for the
+        background.  On any error the copy goes back to the stager.
+
+        """
         try:
-            return await run_sync(
-                functools.partial(
-                    lay_out, staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id
-                ),
-                limiter=self._limiter,
+            return await self._layouts.lay_out(
+                staged, step=step, checkpoint_id=checkpoint_id, limiter=self._limiter
             )
         except BaseException as exc:
             drop_frames(exc)
@@ -140,6 +142,10 @@ class Persister:
         begin = time.perf_counter()
         layout, job.layout = job.layout, None
         assert layout is not None
+        if isinstance(layout, PendingLayout):
+            layout = await layout.complete()
+        else:  # made in full: the caller is gone, plan its copy for the saves to come
+            await self._layouts.keep(job.staged, layout, self._limiter)
         # Encoded and checksummed once, for the local file and (relabelled) the replica.
         # It views the staged buffers, which go back to the stager: dropped before that.
         encoded: Encoded | None = None
