@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Final, Literal, Self, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import aiofiles.os
 import anyio
@@ -62,6 +62,7 @@ from ._format import (
     prefix_nbytes,
 )
 from ._limits import CHUNK_BYTES
+from ._resource import AsyncResource
 from ._threads import Call, run_sync
 
 T = TypeVar("T")
@@ -310,7 +311,7 @@ def _batches(data: BytesLike | Iterable[BytesLike], chunk_nbytes: int) -> Iterat
         yield batch
 
 
-class ReplicaWriter(anyio.abc.AsyncResource):
+class ReplicaWriter(AsyncResource):
     """Stream bytes into a temp file next to ``path``; :meth:`commit` makes them durable there.
 
     ::
@@ -355,10 +356,8 @@ class ReplicaWriter(anyio.abc.AsyncResource):
         self._state: Literal["new", "open", "done"] = "new"
         self._started = 0.0
 
-    async def __aenter__(self) -> Self:
-        # Open on entry; AsyncResource's __aexit__ calls aclose.
+    async def _enter(self) -> None:
         await self.open()
-        return self
 
     async def _run(self, step: _Step, fn: Any, *args: Any) -> Any:
         try:
@@ -481,6 +480,18 @@ async def write_replica(
         return await writer.commit()
 
 
+def _entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+    """The entries of ``directory``, none if it does not exist (blocking).
+
+    :raises OSError: it exists but cannot be listed.
+    """
+    try:
+        with os.scandir(directory) as listing:
+            return list(listing)
+    except FileNotFoundError:
+        return []
+
+
 def sweep_stale_temps(directory: str | os.PathLike[str], *, older_than: float = 0.0) -> list[Path]:
     """Remove astage temp files left in ``directory`` by crashed writers; nothing else.
 
@@ -492,12 +503,7 @@ def sweep_stale_temps(directory: str | os.PathLike[str], *, older_than: float = 
     """
     removed: list[Path] = []
     deadline = time.time() - older_than
-    try:
-        with os.scandir(directory) as listing:
-            entries = list(listing)
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
+    for entry in _entries(directory):
         if not is_temp_name(entry.name) or not entry.is_file(follow_symlinks=False):
             continue
         try:
@@ -738,12 +744,7 @@ def find_replicas(storage_dir: str | os.PathLike[str]) -> list[ReplicaInfo]:
     :raises OSError: the directory cannot be listed.
     """
     found: list[ReplicaInfo] = []
-    try:
-        with os.scandir(storage_dir) as listing:
-            entries = list(listing)
-    except FileNotFoundError:
-        return found
-    for entry in entries:
+    for entry in _entries(storage_dir):
         if not entry.name.endswith(REPLICA_SUFFIX) or not entry.is_file(follow_symlinks=False):
             continue
         try:

@@ -233,7 +233,8 @@ async def all_gather(
 
 def _own_steps(ckpt: Checkpointer) -> set[int]:
     """Committed steps whose local file's header matches its commit marker (blocking)."""
-    from ._checkpointer import _header_check, _open_step_dir
+    from ._directory import open_step_dir as _open_step_dir
+    from ._markers import header_check as _header_check
 
     found = set()
     assert ckpt._dir_fd is not None
@@ -507,7 +508,7 @@ async def _attempt(
     receive = rs.rank in plan.fetch
 
     async def load_local() -> None:
-        from ._checkpointer import _header_check
+        from ._markers import header_check as _header_check
 
         marker = ckpt._committed[s]
         entry = marker.files[0]
@@ -596,7 +597,9 @@ async def _incoming(ckpt: Checkpointer, rs: ReplicationStager, step: int, attemp
 
 async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, attempt: _Attempt) -> None:
     """Commit the received copy as this rank's checkpoint of the step; rebuild the state."""
-    from ._checkpointer import _FileEntry, _Marker, _storages_crc32c
+    from ._markers import FileEntry as _FileEntry
+    from ._markers import Marker as _Marker
+    from ._markers import storages_crc32c as _storages_crc32c
 
     if attempt.unwritable is not None:
         attempt.fetched = UNWRITABLE
@@ -653,7 +656,7 @@ async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> N
     Not every rank can restore them (or the ranks would have agreed on one), so no job can
     ever resume from them; removing them lets the resumed job save those step numbers again.
     """
-    from ._checkpointer import _delete_step
+    from ._retention import delete_step as _delete_step
 
     for newer in sorted(s for s in ckpt._committed if s > step):
         marker = ckpt._committed.pop(newer)
@@ -681,7 +684,7 @@ async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> N
 
 async def _forget_step(ckpt: Checkpointer, step: int) -> None:
     """Uncommit a local copy about to be replaced: the marker goes first, made durable."""
-    from ._checkpointer import _existing_step_dir
+    from ._directory import existing_step_dir as _existing_step_dir
 
     ckpt._committed.pop(step, None)
     assert ckpt._dir_fd is not None

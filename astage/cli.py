@@ -46,10 +46,13 @@ from rich.text import Text
 
 import astage
 
-from ._checkpointer import _Marker, _names, check_committed, layout_role, read_marker, step_of_dir
 from ._demo import run_demo
+from ._directory import layout_role, step_of_dir
+from ._directory import rank_file_names as _names
 from ._errors import Attr, format_key_path
 from ._format import ReplicaHeader
+from ._markers import Marker as _Marker
+from ._markers import check_committed, read_marker
 from ._persist import REPLICA_SUFFIX, is_temp_name
 from ._plan import AtomNode, CopyNode, DictNode, Node, ObjectNode, RefNode, SeqNode, TensorNode
 

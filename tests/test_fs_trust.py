@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._checkpointer import _FileEntry, _Marker, _marker_crc32c, _parse_marker
 from astage._format import encode
+from astage._markers import FileEntry, Marker, marker_crc32c, parse_marker
 from astage._persist import ReplicaWriter, replica_path, write_replica
 from astage._replication import _read_replica_file
 from tests.distributed import run_group
@@ -408,7 +408,7 @@ async def test_a_commit_marker_data_file_or_lock_that_is_a_fifo_is_refused_at_on
 
 # -- commit markers are untrusted input ----------------------------------------------------------
 
-GOOD = _Marker(5, 3, "ab" * 16, 1.25, (_FileEntry("rank00003.astage", 1000, 7),))
+GOOD = Marker(5, 3, "ab" * 16, 1.25, (FileEntry("rank00003.astage", 1000, 7),))
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
@@ -424,13 +424,13 @@ FUZZ = settings(
 def rechecksummed(doc: dict[str, Any]) -> bytes:
     """``doc`` with a valid checksum, so that the damage reaches the deeper checks."""
     body = {k: v for k, v in doc.items() if k != "crc32c"}
-    return json.dumps({**body, "crc32c": _marker_crc32c(body)}).encode()
+    return json.dumps({**body, "crc32c": marker_crc32c(body)}).encode()
 
 
-def parsed_or_refused(data: bytes) -> _Marker | None:
+def parsed_or_refused(data: bytes) -> Marker | None:
     """What the parser makes of ``data``: the marker, or ``None`` for an IntegrityError."""
     try:
-        return _parse_marker(data, step=5, rank=3)
+        return parse_marker(data, step=5, rank=3)
     except astage.IntegrityError:
         return None
 
@@ -478,7 +478,7 @@ def test_a_marker_naming_anything_but_this_ranks_data_file_is_refused(name: str)
     doc = json.loads(GOOD.to_json())
     doc["files"][0]["name"] = name
     with pytest.raises(astage.IntegrityError, match="names the file"):
-        _parse_marker(rechecksummed(doc), step=5, rank=3)
+        parse_marker(rechecksummed(doc), step=5, rank=3)
     assert parsed_or_refused(GOOD.to_json()) == GOOD
 
 

@@ -1,0 +1,179 @@
+"""Laying out a staged copy once per structure, not once per save.
+
+:func:`astage._format.lay_out` walks the whole staged tree (about 8 us a tensor) to check it
+against the replica format and lay it out, and ``Checkpointer.save`` must do that before it
+returns, so that what the format cannot store is refused there, with its key path.  But a
+training job saves the same structure again and again, and with :class:`DefaultStager` the
+staged copy is the very same tree, refilled in place.
+
+So once a layout has been made (and the save's background task has time), the staged tree
+is planned and its plan kept in its checkable form (:class:`astage._plan.FastPlan`).  A
+later save matches its staged tree against that plan (:func:`astage._plan.iter_match`,
+about 1 us a tensor, time-sliced on the loop): container types, keys, non-tensor values,
+and every tensor's type, dtype, shape, stride, offset, flags and storage.  Where it
+matches, ``lay_out`` would return the same layout but for the metadata (step, checkpoint
+id, time) and the storage objects, so the kept layout is re-stamped instead; nothing is
+assumed unchanged without that check.  Reading the storage objects (one call a storage) is
+left to the background (:class:`PendingLayout`).  The kept layout holds no storage: it must
+not keep the staged buffers from going back to the pool.
+
+Invariant: a layout comes back from :meth:`LayoutCache.lay_out` only if ``lay_out`` on the
+same staged tree would have returned it; ``UnsupportedInputError`` is raised exactly where
+``lay_out`` raises it.  The header cap is checked once, with the widest metadata any save
+can have, before a layout is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Final
+
+import anyio
+import torch
+
+from ._format import HEADER_CAP, ReplicaLayout, lay_out
+from ._limits import INT64, RANK_LIMIT
+from ._plan import FastPlan, iter_fast_plan, iter_match, iter_plan, plain_tensor_mode
+from ._slices import SLICE_SECONDS, Steps, clock, run_steps, within
+from ._threads import run_sync
+
+log = logging.getLogger("astage.layout_cache")
+
+_CHUNK: Final = 256
+"""Storages read between two looks at the clock."""
+
+_WIDEST_TIME: Final = -2.2250738585072014e-308
+"""A float with the longest JSON form (24 characters): no ``created`` makes a longer header."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Kept:
+    """A layout with what proves that a later staged tree has the same one."""
+
+    fast: FastPlan
+    layout: ReplicaLayout
+    """Laid out for the staged tree ``fast`` was planned from; its ``storages`` dropped."""
+    firsts: tuple[int, ...]
+    """For each storage of the layout, the plan position of the first tensor viewing it."""
+
+
+@dataclasses.dataclass(eq=False)
+class PendingLayout:
+    """A kept layout that a staged tree matched, all but its storages.
+
+    The match has checked every tensor's storage (``_cdata`` and size), so the storages
+    are known; only reading them (a Python call a storage) is left, for the background.
+    It holds the staged tensors: drop it with the staged copy.
+    """
+
+    layout: ReplicaLayout
+    sources: list[torch.Tensor]
+    firsts: tuple[int, ...]
+
+    async def complete(self) -> ReplicaLayout:
+        """The layout with the staged tree's storages (time-sliced on the loop)."""
+        storages = await run_steps(_storages(self.sources, self.firsts))
+        self.sources = []
+        return dataclasses.replace(self.layout, storages=storages)
+
+
+def _storages(
+    sources: list[torch.Tensor], firsts: tuple[int, ...]
+) -> Steps[tuple[torch.UntypedStorage, ...]]:
+    storages = []
+    deadline = clock() + SLICE_SECONDS
+    for start in range(0, len(firsts), _CHUNK):
+        storages += [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
+        if clock() > deadline:  # a chunk takes far less than a slice
+            yield
+            deadline = clock() + SLICE_SECONDS
+    return tuple(storages)
+
+
+class LayoutCache:
+    """Lays out one rank's staged copies, re-using the layout of the same structure.
+
+    :param rank: the owner rank written into every layout.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._kept: _Kept | None = None
+
+    async def lay_out(
+        self, staged: Any, *, step: int, checkpoint_id: str, limiter: anyio.CapacityLimiter | None
+    ) -> ReplicaLayout | PendingLayout:
+        """Lay out ``staged`` as :func:`astage._format.lay_out` would.
+
+        :returns: a new layout (worth :meth:`keep`-ing), or the kept one for this save,
+            pending its storages.
+        :raises UnsupportedInputError: as ``lay_out``.
+        :raises ConfigurationError: as ``lay_out``.
+        """
+        kept = self._kept
+        if kept is not None:
+            restamped = await run_steps(
+                within(plain_tensor_mode, _restamp(kept, staged, step, checkpoint_id))
+            )
+            if restamped is not None:
+                return restamped
+        call = functools.partial(
+            lay_out, staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id
+        )
+        return await run_sync(call, limiter=limiter)
+
+    async def keep(self, staged: Any, layout: ReplicaLayout, limiter: anyio.CapacityLimiter | None) -> None:
+        """Keep ``layout`` (made by ``lay_out`` for ``staged``) for later trees of its structure.
+
+        Meant for the background: it plans ``staged`` (about as long as ``lay_out``).  A tree
+        whose plan cannot be re-checked (DTensors, tensors with attributes, custom
+        containers) is not kept; those saves are laid out in full every time.
+        """
+        try:
+            widest = dataclasses.replace(
+                layout,
+                owner_rank=RANK_LIMIT - 1,
+                holder_rank=RANK_LIMIT - 1,
+                step=INT64 - 1,
+                created=_WIDEST_TIME,
+            )
+            header = await run_sync(widest.header, [0] * len(layout.offsets), limiter=limiter)
+            if len(header) > HEADER_CAP:
+                return
+            del header, widest
+            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout)))
+        except Exception as exc:  # only a lost speed-up: the next save is laid out in full
+            log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
+            return
+        if kept is not None:
+            self._kept = kept
+
+
+def _plan_kept(staged: Any, layout: ReplicaLayout) -> Steps[_Kept | None]:
+    """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
+    source = yield from iter_plan(staged)
+    if len(source.plan.tensors) != layout.num_tensors or [s._cdata for s in source.storages] != [
+        s._cdata for s in layout.storages
+    ]:
+        return None  # e.g. numpy arrays, which only the format's planner stores as tensors
+    fast = yield from iter_fast_plan(source)
+    if fast is None:
+        return None
+    firsts: dict[int, int] = {}
+    for position, spec in enumerate(fast.plan.tensors):
+        firsts.setdefault(spec.storage, position)
+    return _Kept(fast, dataclasses.replace(layout, storages=()), tuple(firsts[j] for j in range(len(firsts))))
+
+
+def _restamp(kept: _Kept, staged: Any, step: int, checkpoint_id: str) -> Steps[PendingLayout | None]:
+    """The kept layout for ``staged`` and this save, or ``None`` if ``staged`` does not match."""
+    sources = yield from iter_match(kept.fast, staged)
+    if sources is None:
+        return None
+    layout = dataclasses.replace(
+        kept.layout, step=step, checkpoint_id=checkpoint_id, created=float(time.time())
+    )
+    return PendingLayout(layout, sources, kept.firsts)

@@ -1,0 +1,267 @@
+"""The background half of a save: from the staged copy to a durable, committed checkpoint.
+
+Once ``Checkpointer.save`` has staged a state_dict, a task runs one :class:`Job` through a
+:class:`Persister`: the staged copy is encoded and checksummed once, written durably as this
+rank's file while it is handed to the replication object (in save order), and, once both
+are done, committed by writing the marker (:mod:`astage._markers`).  Replication is called
+for every staged save, even one whose local write failed: ranks that make the same sequence
+of saves make the same sequence of replication calls, so the peers' exchanges stay in step.
+Every staged copy goes back to its stager, and a failed save's file is removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import anyio
+
+from ._directory import rank_file_names, step_dir_name, step_dir_opener
+from ._errors import AstageError
+from ._format import Encoded, ReplicaLayout
+from ._frames import drop_frames, frames_dropped
+from ._layout_cache import LayoutCache, PendingLayout
+from ._markers import FileEntry, Marker, storages_crc32c
+from ._persist import blocking_io, write_replica
+from ._retention import discard_uncommitted
+from ._stager import AsyncStager, StageStats
+from ._threads import run_sync
+
+if TYPE_CHECKING:
+    from ._checkpointer import Replicator, SaveStats
+
+# The Checkpointer's logger: splitting the module changes nothing users configure.
+log = logging.getLogger("astage.checkpointer")
+
+EventKind = Literal["staged", "persisted", "replicated", "committed", "failed"]
+"""What happened to a save: ``staged`` first, then ``persisted`` (the local file is durable)
+and ``replicated`` in either order, then ``committed``, or ``failed`` instead."""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One save from staging to commit (or failure)."""
+
+    step: int
+    checkpoint_id: str
+    started: float
+    staging_seconds: float
+    backpressure_seconds: float
+    stage_stats: StageStats | None
+    previous: anyio.Event | None
+    staged: Any = None
+    layout: ReplicaLayout | PendingLayout | None = None
+    """Made in full (kept for later saves in the background), or a kept one re-used."""
+    entry: FileEntry | None = None
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    written: bool = False
+    committed: bool = False
+    nbytes: int = 0
+    persist_seconds: float = 0.0
+    replicate_seconds: float | None = None
+    stats: SaveStats | None = None
+    error: AstageError | None = None
+    reported: bool = False
+
+
+@runtime_checkable
+class _Releasing(Protocol):
+    async def release(self, staged: Any) -> None: ...
+
+
+def _takes_encoded(replication: Replicator) -> bool:
+    """Whether ``replication.replicate_staged`` accepts ``encoded=`` (see ``Replicator``)."""
+    try:
+        parameters = inspect.signature(replication.replicate_staged).parameters
+    except (TypeError, ValueError):  # no signature to read: call it the plain way
+        return False
+    return "encoded" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+class Persister:
+    """Carries jobs of one Checkpointer (directory, rank) from staged copy to commit.
+
+    :param emit: reports a job's progress (``persisted``, ``replicated``).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        dir_fd: int,
+        rank: int,
+        stager: AsyncStager,
+        replication: Replicator | None,
+        limiter: anyio.CapacityLimiter,
+        emit: Callable[[EventKind, Job], None],
+    ) -> None:
+        self._directory = directory
+        self._dir_fd = dir_fd
+        self._rank = rank
+        self._data_name, self._marker_name = rank_file_names(rank)
+        self._stager = stager
+        self._replication = replication
+        self._share_encoded = replication is not None and _takes_encoded(replication)
+        self._limiter = limiter
+        self._emit = emit
+        self._layouts = LayoutCache(rank)
+
+    async def lay_out(self, staged: Any, step: int, checkpoint_id: str) -> ReplicaLayout | PendingLayout:
+        """Check the staged copy against the replica format and lay it out, before ``save()``
+        returns: what the background task could not write is refused here, with its key
+        path.  A copy of a structure laid out before re-uses that layout once checked
+        against it (:mod:`astage._layout_cache`); only the checksums are left for the
+        background.  On any error the copy goes back to the stager.
+
+        """
+        try:
+            return await self._layouts.lay_out(
+                staged, step=step, checkpoint_id=checkpoint_id, limiter=self._limiter
+            )
+        except BaseException as exc:
+            drop_frames(exc)
+            with anyio.CancelScope(shield=True):
+                await self.give_back(staged, step)
+            # This frame stays in the error's traceback: it must not keep the copy it gave
+            # back, which the stager may hand out again (a released copy is refilled).
+            staged = None
+            raise
+
+    async def write_and_replicate(self, job: Job) -> FileEntry:
+        """Encode once, then write the local file durably while replicating, in save order.
+
+        :returns: the local file's entry for the marker.
+        :raises Exception: the local write's failure, else the replication's.
+        """
+        failures: dict[str, Exception] = {}
+        begin = time.perf_counter()
+        layout, job.layout = job.layout, None
+        assert layout is not None
+        if isinstance(layout, PendingLayout):
+            layout = await layout.complete()
+        else:  # made in full: the caller is gone, plan its copy for the saves to come
+            await self._layouts.keep(job.staged, layout, self._limiter)
+        # Encoded and checksummed once, for the local file and (relabelled) the replica.
+        # It views the staged buffers, which go back to the stager: dropped before that.
+        encoded: Encoded | None = None
+        try:
+            with frames_dropped():
+                encoded = await run_sync(layout.encode, limiter=self._limiter)
+        except Exception as exc:
+            failures["local"] = exc
+        del layout
+
+        async def write_local(box: list[Encoded]) -> None:
+            try:
+                with frames_dropped():
+                    job.entry = await self._write_local(job, box.pop(), begin)
+            except Exception as exc:
+                failures["local"] = exc
+
+        try:
+            async with anyio.create_task_group() as tg:
+                if encoded is not None:
+                    tg.start_soon(write_local, [encoded])
+                if job.previous is not None:
+                    await job.previous.wait()  # replicate and commit in save order
+                shared = {"encoded": encoded} if self._share_encoded and encoded is not None else {}
+                encoded = None
+                await self._replicate(job, shared, failures)
+        finally:
+            encoded = None
+        if "local" in failures and "replication" in failures:
+            log.error("replicating step %d failed as well: %s", job.step, failures["replication"])
+        if failures:
+            raise failures.get("local") or failures["replication"]
+        assert job.entry is not None
+        return job.entry
+
+    async def _replicate(self, job: Job, shared: dict[str, Encoded], failures: dict[str, Exception]) -> None:
+        """Hand the staged copy (and, shared, its encoding) to the replication object, if any."""
+        if self._replication is None:
+            return
+        begin = time.perf_counter()
+        try:
+            with frames_dropped():
+                await self._replication.replicate_staged(
+                    job.staged, step=job.step, checkpoint_id=job.checkpoint_id, **shared
+                )
+        except Exception as exc:
+            failures["replication"] = exc
+        else:
+            job.replicate_seconds = time.perf_counter() - begin
+            self._emit("replicated", job)
+        finally:
+            shared.clear()
+
+    async def _write_local(self, job: Job, encoded: Encoded, begin: float) -> FileEntry:
+        """Write this rank's file durably (not yet committed)."""
+        try:
+            entry = FileEntry(self._data_name, encoded.total_nbytes, storages_crc32c(encoded.header))
+            job.written = True  # from here on, a file may exist that must not outlive a failure
+            await write_replica(
+                self._directory / step_dir_name(job.step) / self._data_name,
+                encoded,
+                limiter=self._limiter,
+                open_dir=step_dir_opener(self._dir_fd, job.step),
+            )
+            # The step directory's entry is durable before anything in it is committed.
+            await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
+        finally:
+            del encoded  # it views the staged buffers, which go back to the stager
+        job.nbytes = entry.nbytes
+        job.persist_seconds = time.perf_counter() - begin
+        self._emit("persisted", job)
+        return entry
+
+    async def commit(self, job: Job, entry: FileEntry) -> Marker:
+        """Write the marker durably (shielded: small, and once renamed it is committed).
+
+        ``job.committed`` is set once it is; the caller records the marker at once.
+        """
+        marker = Marker(job.step, self._rank, job.checkpoint_id, time.time(), (entry,))
+        marker_path = self._directory / step_dir_name(job.step) / self._marker_name
+        with anyio.CancelScope(shield=True):
+            await write_replica(
+                marker_path,
+                [marker.to_json()],
+                limiter=self._limiter,
+                open_dir=step_dir_opener(self._dir_fd, job.step),
+            )
+            # The step directory's entry is durable before anything in it is committed.
+            await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
+            job.committed = True
+        return marker
+
+    async def release_staged(self, job: Job) -> None:
+        """Give the job's staged copy back to the stager (once)."""
+        staged, job.staged, job.layout = job.staged, None, None
+        await self.give_back(staged, job.step)
+
+    async def give_back(self, staged: Any, step: int) -> None:
+        """Release ``staged`` to a stager that takes copies back; failures are only logged."""
+        if staged is not None and isinstance(self._stager, _Releasing):
+            try:
+                await self._stager.release(staged)
+            except Exception:
+                log.exception("releasing the staged copy of step %d failed", step)
+
+    async def discard(self, job: Job) -> None:
+        """Remove an uncommitted job's file (what cannot be removed is swept at the next start)."""
+        try:
+            await blocking_io(
+                discard_uncommitted,
+                self._dir_fd,
+                step_dir_name(job.step),
+                self._data_name,
+                limiter=self._limiter,
+            )
+        except OSError as exc:
+            log.warning(
+                "cannot remove the uncommitted files of step %d (swept at the next start): %s", job.step, exc
+            )
