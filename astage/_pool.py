@@ -36,6 +36,7 @@ import torch
 
 from ._errors import CapacityError, ClosedError, ConfigurationError
 from ._options import check_bool, check_positive_int, check_type
+from ._threads import run_sync
 
 log = logging.getLogger("astage.pool")
 
@@ -410,10 +411,10 @@ class BufferPool:
             chunk.append(n)
             chunk_bytes += n
             if chunk_bytes >= ALLOC_BATCH_BYTES:
-                out.extend(await anyio.to_thread.run_sync(batch, chunk, limiter=limiter))
+                out.extend(await run_sync(batch, chunk, limiter=limiter))
                 chunk, chunk_bytes = [], 0
         if chunk:
-            out.extend(await anyio.to_thread.run_sync(batch, chunk, limiter=limiter))
+            out.extend(await run_sync(batch, chunk, limiter=limiter))
         return out
 
     # -- returning ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ Invariants:
 * ``stage()`` returns a copy that later changes to the source never reach, and that the
   stager never overwrites until it is released (``release()``) or no longer referenced.
 * A later stage of the same structure re-uses the plan only after re-checking, per tensor
-  and per container, everything the plan was derived from (``_plan.iter_match``), and
+  and per container, everything the plan was derived from (``_match.iter_match``), and
   refills a released copy of it in place (the same tree comes back).  A refill that fails
   or is cancelled drops that copy.
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 import torch
@@ -52,6 +53,7 @@ from ._copy import (
 )
 from ._errors import ClosedError, EventLoopError, UnsupportedInputError
 from ._events import STRATEGIES, Strategy, wait_event
+from ._match import FastPlan, iter_fast_plan, iter_match
 from ._options import (
     ResolvedOptions,
     StagingOptions,
@@ -60,20 +62,11 @@ from ._options import (
     check_positive_int,
     coerce_options,
 )
-from ._plan import (
-    FastPlan,
-    PlannedSource,
-    Rebuilder,
-    StagePlan,
-    iter_fast_plan,
-    iter_match,
-    iter_plan,
-    iter_tensor_paths,
-    make_tensor,
-    plain_tensor_mode,
-)
+from ._plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
 from ._pool import Buffer, BufferKind, BufferPool, PoolStats
-from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps, within
+from ._rebuild import Rebuilder, make_tensor, plain_tensor_mode
+from ._slices import Steps, clock, drive, run_steps, slice_over, within
+from ._threads import run_sync
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
@@ -151,7 +144,7 @@ class StageStats:
         )
 
 
-class DefaultStager:
+class DefaultStager(anyio.abc.AsyncResource):
     """Stage state_dicts into pooled CPU buffers; the asyncio/anyio-native ``DefaultStager``.
 
     ::
@@ -219,18 +212,7 @@ class DefaultStager:
         self._spare: _Spare | None = None
         self._last: _Filled | None = None
 
-    # -- lifecycle ------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    # -- lifecycle (``async with`` comes from AsyncResource: it calls aclose) ---------------
 
     @property
     def closed(self) -> bool:
@@ -503,11 +485,10 @@ class DefaultStager:
         compute = torch.accelerator.current_stream()  # the caller's stream, on the loop thread
         try:
             if self._resolved.async_copy:
-                event = await anyio.to_thread.run_sync(
-                    enqueue_device_copies, [plan_batches], side, compute, limiter=self._limiter
-                )
+                limiter = self._limiter
+                event = await run_sync(enqueue_device_copies, plan_batches, side, compute, limiter=limiter)
             else:
-                event = enqueue_device_copies([plan_batches], side, compute)
+                event = enqueue_device_copies(plan_batches, side, compute)
             await wait_event(event, strategy=self._event_strategy)
         except BaseException:
             # Copies may still be in flight into the leased buffers: wait for all of them
@@ -614,7 +595,6 @@ class DefaultStager:
         storages = plan.storages
         buffers: list[Buffer | None] = [None] * len(storages)
         serial = None
-        deadline = clock() + SLICE_SECONDS
         for spec, t in zip(plan.tensors, tensors, strict=True):
             storage = t.untyped_storage()
             buf = out.get(storage._cdata)
@@ -633,9 +613,8 @@ class DefaultStager:
                 buffers[s] = buf
             elif have is not buf:
                 return None
-            if clock() > deadline:
+            if slice_over():
                 yield
-                deadline = clock() + SLICE_SECONDS
         # One buffer per planned storage, all distinct, and every buffer of that copy here:
         # one left out may still be in the caller's hands, and a copy not released is never
         # overwritten.
@@ -683,12 +662,10 @@ class _Filled:
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
     """The plain staged tensor of every planned tensor, in time slices."""
     out: list[torch.Tensor] = []
-    deadline = clock() + SLICE_SECONDS
     for spec in plan.tensors:
         out.append(make_tensor(spec, storages[spec.storage]))
-        if clock() > deadline:
+        if slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     return out
 
 
