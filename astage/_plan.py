@@ -290,6 +290,7 @@ class _Planner:
         self.storages: list[StorageSpec] = []
         self.storage_objs: list[torch.UntypedStorage] = []
         self.storage_index: dict[int, int] = {}
+        self.storage_specs: dict[tuple[int, torch.device], StorageSpec] = {}
         self.tensor_index: dict[int, int] = {}
         self.memo: dict[int, int] = {}
         self.active: set[int] = set()
@@ -483,7 +484,13 @@ class _Planner:
         if sidx is None:
             sidx = len(self.storages)
             self.storage_index[key] = sidx
-            self.storages.append(StorageSpec(storage.nbytes(), device))
+            nbytes = storage.nbytes()
+            # One StorageSpec per (size, device), shared: a plan lives as long as its stager,
+            # and every object it holds is rescanned by each full collection.
+            spec = self.storage_specs.get((nbytes, device))
+            if spec is None:
+                spec = self.storage_specs[nbytes, device] = StorageSpec(nbytes, device)
+            self.storages.append(spec)
             self.storage_objs.append(storage)
         attrs = x.__dict__
         attr_node = drive(self.walk(attrs, (*path, Attr("__dict__")))) if attrs else None
@@ -493,7 +500,7 @@ class _Planner:
                 path,
                 sidx,
                 local.dtype,
-                local.shape,
+                tuple(local.shape),  # a plain tuple: the collector stops tracking it (Size stays)
                 local.stride(),
                 int(local.storage_offset()),
                 kind,

@@ -135,7 +135,7 @@ def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
     return storage
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Buffer:
     """One pooled staging storage."""
 
