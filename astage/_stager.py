@@ -351,7 +351,6 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
-        buffers = tuple(lease.buffers)
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
@@ -367,8 +366,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.hand_out(lease)
             self._pool.reclaim()
             raise
-        self._pool.hand_out(lease)
-        self._remember(plan, buffers, sources, cast(list[torch.Tensor], rebuilder.tensors))
+        serial = self._pool.hand_out(lease)
+        self._remember(plan, serial, sources, cast(list[torch.Tensor], rebuilder.tensors))
         stats = self._record(plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started)
         return staged, stats
 
@@ -390,7 +389,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             self._pool.reclaim()
             raise
-        self._remember(plan, spare.buffers, sources, spare.tensors)
+        self._remember(plan, spare.serial, sources, spare.tensors)
         stats = self._record(plan, 0, len(plan.storages), 0.0, started, skip)
         return spare.tree, stats
 
@@ -433,15 +432,15 @@ class DefaultStager(anyio.abc.AsyncResource):
     def _remember(
         self,
         plan: StagePlan,
-        buffers: tuple[Buffer, ...],
+        serial: int,
         sources: list[torch.Tensor],
         staged: list[torch.Tensor],
     ) -> None:
-        """Record what the copy in ``buffers`` now holds, for ``skip_unchanged``."""
+        """Record what the copy ``serial`` (the pool's lease serial) now holds, for ``skip_unchanged``."""
         if not self._resolved.skip_unchanged or self._fast is None or self._fast.plan is not plan:
             return
         self._last = _Filled(
-            buffers,
+            serial,
             sources,
             [t._version for t in sources],
             [t.data_ptr() for t in sources],
@@ -458,7 +457,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         """
         last = self._last
         self._last = None
-        if last is None or last.buffers != spare.buffers:
+        if last is None or last.serial != spare.serial:
             return set()
         if [t._version for t in spare.tensors] != last.staged_versions:
             return set()
@@ -591,24 +590,25 @@ class DefaultStager(anyio.abc.AsyncResource):
         plan = fast.plan
         if not plan.storages:
             return None
-        out = self._pool.handed_out_buffers()
+        pool = self._pool
+        out = pool.handed_out_buffers()
         storages = plan.storages
         buffers: list[Buffer | None] = [None] * len(storages)
         serial = None
         for spec, t in zip(plan.tensors, tensors, strict=True):
-            storage = t.untyped_storage()
-            buf = out.get(storage._cdata)
+            key = t.untyped_storage()._cdata
+            buf = out.get(key)
             if buf is None:
                 return None
             s = spec.storage
             have = buffers[s]
             if have is None:
-                nbytes = storages[s].nbytes
-                if buf.nbytes != nbytes or storage.nbytes() != nbytes:
+                if buf.nbytes() != storages[s].nbytes:
                     return None
+                copy = pool.copy_of(key)
                 if serial is None:
-                    serial = buf.copy
-                elif buf.copy != serial:  # buffers of two copies
+                    serial = copy
+                elif copy != serial:  # buffers of two copies
                     return None
                 buffers[s] = buf
             elif have is not buf:
@@ -641,18 +641,18 @@ class _Spare:
 
     def storage(self, s: int) -> torch.UntypedStorage:
         """The buffer of planned storage ``s``."""
-        return self.buffers[s].storage
+        return self.buffers[s]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
 class _Filled:
-    """What the last stage copied into ``buffers`` (``skip_unchanged``).
+    """What the last stage copied into the copy ``serial`` (``skip_unchanged``).
 
     ``sources`` are kept alive so that their storages cannot be freed and their
     addresses reused by others that would then look unchanged.
     """
 
-    buffers: tuple[Buffer, ...]
+    serial: int
     sources: list[torch.Tensor]
     versions: list[int]
     data_ptrs: list[int]
