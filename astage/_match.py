@@ -35,15 +35,6 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
     tensors does not add 20,000 objects to every later full collection.
     """
     st = t.untyped_storage()
-    return (*_meta_signature(t), st._cdata, st.nbytes())
-
-
-_META = slice(0, 8)
-"""The part of a :func:`tensor_signature` that is not about which storage the tensor views."""
-
-
-def _meta_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    """``tensor_signature(t)[_META]``, without asking for the storage."""
     return (
         id(type(t)),
         t.dtype,
@@ -53,7 +44,13 @@ def _meta_signature(t: torch.Tensor) -> tuple[Any, ...]:
         t.requires_grad,
         t.is_conj(),
         t.is_neg(),
+        st._cdata,
+        st.nbytes(),
     )
+
+
+_META = slice(0, 8)
+"""The part of a :func:`tensor_signature` that is not about which storage the tensor views."""
 
 
 _EQUAL_ATOMS: frozenset[type] = frozenset({int, str, bytes, type(None), torch.Size, torch.device})
@@ -222,26 +219,15 @@ class _Matcher:
             expected = signatures[first + start : first + start + len(chunk)]
             if len(chunk) != len(expected):
                 return False
+            # Not a tensor: AttributeError, caught by many().
+            got = tuple(map(tensor_signature, chunk))
             if self.meta_only:  # release(): the staged copy's storages are checked apart
-                for v, sig in zip(chunk, expected, strict=True):
-                    if _meta_signature(v) != sig[_META] or v.__dict__:
-                        return False
-            else:  # tensor_signature(), inlined: this loop is the steady stage's cost
-                for v, sig in zip(chunk, expected, strict=True):
-                    st = v.untyped_storage()  # not a tensor: AttributeError, caught by many()
-                    if (
-                        id(type(v)),
-                        v.dtype,
-                        v.shape,
-                        v.stride(),
-                        v.storage_offset(),
-                        v.requires_grad,
-                        v.is_conj(),
-                        v.is_neg(),
-                        st._cdata,
-                        st.nbytes(),
-                    ) != sig or v.__dict__:
-                        return False
+                got, expected = tuple(g[_META] for g in got), tuple(e[_META] for e in expected)
+            if got != expected:
+                return False
+            for v in chunk:
+                if v.__dict__:
+                    return False
             sources.extend(chunk)
             if slice_over():
                 yield
@@ -265,10 +251,11 @@ class _Matcher:
                     if p == n:
                         if not isinstance(v, Tensor) or v.__dict__:
                             return False
+                        got = tensor_signature(v)
                         if self.meta_only:
-                            if _meta_signature(v) != signatures[p][_META]:
+                            if got[_META] != signatures[p][_META]:
                                 return False
-                        elif tensor_signature(v) != signatures[p]:
+                        elif got != signatures[p]:
                             return False
                         append(v)
                     elif p > n or v is not sources[p]:  # the plan met this very tensor before

@@ -478,20 +478,7 @@ class _Planner:
                 path,
                 f"device {device} is not supported here (expected one of {sorted(self.allowed_devices)})",
             )
-        storage = local.untyped_storage()
-        key = storage._cdata
-        sidx = self.storage_index.get(key)
-        if sidx is None:
-            sidx = len(self.storages)
-            self.storage_index[key] = sidx
-            nbytes = storage.nbytes()
-            # One StorageSpec per (size, device), shared: a plan lives as long as its stager,
-            # and every object it holds is rescanned by each full collection.
-            spec = self.storage_specs.get((nbytes, device))
-            if spec is None:
-                spec = self.storage_specs[nbytes, device] = StorageSpec(nbytes, device)
-            self.storages.append(spec)
-            self.storage_objs.append(storage)
+        sidx = self.storage_of(local, device)
         attrs = x.__dict__
         attr_node = drive(self.walk(attrs, (*path, Attr("__dict__")))) if attrs else None
         index = len(self.tensors)
@@ -515,6 +502,24 @@ class _Planner:
         self.tensor_index[id(x)] = index
         self.keepalive.append(x)
         return TensorNode(index)
+
+    def storage_of(self, local: torch.Tensor, device: torch.device) -> int:
+        """The plan's index of ``local``'s storage, planned at its first tensor."""
+        storage = local.untyped_storage()
+        key = storage._cdata
+        sidx = self.storage_index.get(key)
+        if sidx is None:
+            sidx = len(self.storages)
+            self.storage_index[key] = sidx
+            nbytes = storage.nbytes()
+            # One StorageSpec per (size, device), shared: a plan lives as long as its stager,
+            # and every object it holds is rescanned by each full collection.
+            spec = self.storage_specs.get((nbytes, device))
+            if spec is None:
+                spec = self.storage_specs[nbytes, device] = StorageSpec(nbytes, device)
+            self.storages.append(spec)
+            self.storage_objs.append(storage)
+        return sidx
 
     def _reject(self, t: torch.Tensor, path: KeyPath) -> NoReturn:
         if t.is_meta:
