@@ -308,8 +308,11 @@ class DefaultStager(anyio.abc.AsyncResource):
                     self._idle.set()
                     self._idle = None
 
-    async def _run(self, steps: Steps[Any]) -> Any:
-        steps = within(plain_tensor_mode, steps)
+    async def _run(self, steps: Steps[Any], *, makes_tensors: bool = True) -> Any:
+        """Run ``steps`` in slices (inline for a blocking stager); one that makes tensors runs
+        in plain tensor mode (entering it at each slice costs, so read-only walks skip it)."""
+        if makes_tensors:
+            steps = within(plain_tensor_mode, steps)
         return await run_steps(steps) if self._resolved.async_copy else drive(steps)
 
     async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
@@ -317,15 +320,17 @@ class DefaultStager(anyio.abc.AsyncResource):
         fast = self._fast
         sources: list[torch.Tensor] | None = None
         if fast is not None:
-            sources = await self._run(iter_match(fast, state_dict))
+            sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
         layout = self._layout
         if sources is None or fast is None or layout is None:
             # A new structure (or the first stage): plan it, and drop the copy kept for the
             # old one, whose buffers may be needed under the memory cap.
             self._forget_plan()
-            source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
-            layout = await self._run(iter_copy_layout(source.plan, source.tensors))
-            fast = await self._run(iter_fast_plan(source))
+            source: PlannedSource = await self._run(
+                iter_plan(state_dict, strict=self._strict), makes_tensors=False
+            )
+            layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
+            fast = await self._run(iter_fast_plan(source), makes_tensors=False)
             self._fast, self._layout = fast, layout
             plan, sources = source.plan, list(source.tensors)
         else:
