@@ -4,6 +4,14 @@ Planning 20,000 tensors costs more than copying them.  A later stage of a state_
 the same structure re-uses the plan after checking, per tensor, everything the plan was
 derived from (:func:`iter_match`).  Object identity is never trusted: ``model.state_dict()``
 returns new tensor objects (and new dicts) every call.
+
+Reading a tensor's fields from Python costs ~0.1 us each, ten of them a tensor.  Where
+this torch has dynamo's C++ ``TensorGuards`` (type, dtype, dispatch keys, which carry the
+conj and neg bits, ``requires_grad``, sizes and strides of many tensors in one call, ~10x
+cheaper), a chunk of tensors that passed the full check once gets one, built from those
+very tensors, and later checks ask it and read only the storage, its size and the offset
+in Python.  It only ever speeds up a "yes": a chunk it refuses (another thread-local mode
+changes the dispatch keys, say) gets the full check, which decides.
 """
 
 from __future__ import annotations
@@ -16,6 +24,14 @@ import torch
 
 from ._plan import AtomNode, DictNode, Node, PlannedSource, SeqNode, StagePlan, TensorKind, TensorNode
 from ._slices import Steps, slice_over
+
+_TensorGuards: Any
+try:  # private to dynamo, so optional: without it every check is the Python one
+    from torch._C._dynamo import guards as _dynamo_guards
+
+    _TensorGuards = _dynamo_guards.TensorGuards
+except (ImportError, AttributeError):  # pragma: no cover - every torch this supports has it
+    _TensorGuards = None
 
 
 def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
@@ -85,6 +101,11 @@ class FastPlan:
     runs: dict[int, int]
     """Containers whose items are all tensors met there first, at consecutive positions:
     ``id(node.values or node.items)`` -> the first position (checked in one tight loop)."""
+    guards: dict[int, tuple[Any, tuple[tuple[int, int, int, bool], ...]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Chunks of a run that passed a full check, by first position: their ``TensorGuards``
+    and what is left to check in Python (offset, storage, its size, no attributes)."""
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
@@ -174,6 +195,7 @@ class _Matcher:
         self.signatures = fast.signatures
         self.key_types = fast.key_types
         self.runs = fast.runs
+        self.guards = fast.guards
         self.sources: list[torch.Tensor] = []
         self.containers: set[int] = set()
         self.keepalive: list[object] = []  # ids stay unique only while the objects live
@@ -219,6 +241,11 @@ class _Matcher:
             expected = signatures[first + start : first + start + len(chunk)]
             if len(chunk) != len(expected):
                 return False
+            if not self.meta_only and self.guarded(first + start, chunk):
+                sources.extend(chunk)
+                if slice_over():
+                    yield
+                continue
             # Not a tensor: AttributeError, caught by many().
             got = tuple(map(tensor_signature, chunk))
             if self.meta_only:  # release(): the staged copy's storages are checked apart
@@ -228,10 +255,39 @@ class _Matcher:
             for v in chunk:
                 if v.__dict__:
                     return False
+            if not self.meta_only and _TensorGuards is not None:
+                self.guard(first + start, chunk, expected)
             sources.extend(chunk)
             if slice_over():
                 yield
         return True
+
+    def guarded(self, position: int, chunk: tuple[Any, ...]) -> bool:
+        """Whether the chunk's guard passes it: a "no" only means "check it in full"."""
+        known = self.guards.get(position)
+        if known is None:
+            return False
+        guard, rest = known
+        try:
+            if not guard.check(*chunk):
+                return False
+        except TypeError:  # another count of values
+            return False
+        # What the guard does not see; `st` is bound before it is read (left to right).
+        got = tuple(
+            (v.storage_offset(), (st := v.untyped_storage())._cdata, st.nbytes(), not v.__dict__)
+            for v in chunk
+        )
+        return got == rest
+
+    def guard(self, position: int, chunk: tuple[Any, ...], expected: tuple[tuple[Any, ...], ...]) -> None:
+        """Give a chunk that just passed the full check a guard built from its tensors."""
+        guard = _TensorGuards(
+            *chunk,
+            dynamic_dims_sizes=[list(sig[2]) for sig in expected],
+            dynamic_dims_strides=[list(sig[3]) for sig in expected],
+        )
+        self.guards[position] = (guard, tuple((sig[4], sig[8], sig[9], True) for sig in expected))
 
     def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
         signatures, sources, append = self.signatures, self.sources, self.sources.append

@@ -279,6 +279,86 @@ async def test_every_change_between_stages_is_staged_faithfully(name: str, relea
         assert_faithful(third, sd)
 
 
+def run_like() -> dict[str, Any]:
+    """A state_dict whose containers hold only tensors: what the re-check's guarded chunks serve."""
+    layer = {f"w{i}": torch.randn(2, 3) for i in range(300)}
+    layer["w260"] = torch.randn(12)[:6].view(2, 3)  # room in its storage for another offset
+    return {"layer": layer, "step": torch.tensor(1.0)}
+
+
+def _in_run(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        sd["layer"]["w260"] = change(sd["layer"]["w260"])  # in the second chunk of the run
+
+    return apply
+
+
+def _share_in_run(sd: dict[str, Any]) -> None:
+    other = sd["layer"]["w3"]
+    sd["layer"]["w260"] = torch.empty(0).set_(other.untyped_storage(), 0, (2, 3), (3, 1))  # w3's
+
+
+def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
+def _with_attribute(t: torch.Tensor) -> torch.Tensor:
+    t.note = 1  # type: ignore[attr-defined]
+    return t
+
+
+def _resized(t: torch.Tensor) -> torch.Tensor:
+    t.untyped_storage().resize_(64)
+    return t
+
+
+RUN_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "reshape": _in_run(lambda t: t.view(3, 2)),
+    "another offset": _in_run(lambda t: t.as_strided((2, 3), (3, 1), 1)),
+    "set_ to another storage": _in_run(lambda t: t.set_(torch.randn(12).untyped_storage(), 0, (2, 3))),
+    "dtype": _in_run(lambda t: t.double()),
+    "same-size dtype view": _in_run(lambda t: t.view(torch.int32)),
+    "non-contiguous": _in_run(lambda t: t.t().contiguous().t()),
+    "requires_grad": _in_run(lambda t: t.requires_grad_(True)),
+    "tensor to Parameter": _in_run(lambda t: torch.nn.Parameter(t)),
+    "conj bit": _in_run(lambda t: torch.complex(t, t).conj()),
+    "neg bit": _in_run(torch._neg_view),
+    "storage becomes shared": _share_in_run,
+    "storage resized": _in_run(_resized),
+    "tensor attribute": _in_run(_with_attribute),
+    "inference tensor": _in_run(_inference_tensor),
+    "not a tensor": _in_run(lambda _: 3),
+    "key removed": lambda sd: sd["layer"].pop("w299"),
+}
+
+
+@pytest.mark.parametrize("name", list(RUN_CHANGES))
+async def test_every_change_after_a_warm_recheck_is_staged_faithfully(name: str) -> None:
+    # The second stage's full check arms the chunk guards; the change comes at the third.
+    sd = run_like()
+    async with DefaultStager() as stager:
+        for _ in range(2):
+            await stager.release(await stager.stage(sd))
+        RUN_CHANGES[name](sd)
+        staged = await stager.stage(sd)
+        assert_faithful(staged, sd)
+        await stager.release(staged)
+        assert_faithful(await stager.stage(sd), sd)
+
+
+def test_a_chunk_that_passed_the_full_check_is_guarded_next_time() -> None:
+    sd = run_like()
+    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    assert fast is not None
+    assert drive(iter_match(fast, sd)) is not None
+    assert len(fast.guards) == 2  # the 300-tensor run, in chunks of 256
+    again = {"layer": dict(sd["layer"]), "step": sd["step"]}
+    assert drive(iter_match(fast, again)) == [*sd["layer"].values(), sd["step"]]
+    with torch.no_grad():  # another thread-local mode: the guard may refuse, the full check decides
+        assert drive(iter_match(fast, again)) is not None
+
+
 async def test_a_new_state_dict_object_of_the_same_model_reuses_the_copy() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     async with DefaultStager() as stager:
