@@ -26,7 +26,8 @@ import torch
 
 from ._limits import CHUNK_BYTES
 from ._plan import StagePlan
-from ._slices import SLICE_SECONDS, Steps, clock
+from ._slices import Steps, slice_over
+from ._threads import Call
 
 Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Staged tensors and their sources, copied pairwise by one ``torch._foreach_copy_``."""
@@ -76,7 +77,6 @@ def iter_covering(plan: StagePlan, sources: Sequence[torch.Tensor]) -> Steps[lis
     whose metadata the plan fixes), so it is computed once per plan.
     """
     cover: list[int | None] = [None] * len(plan.storages)
-    deadline = clock() + SLICE_SECONDS
     for i, spec in enumerate(plan.tensors):
         s = spec.storage
         if cover[s] is None and spec.offset == 0 and not spec.conj and not spec.neg:
@@ -87,9 +87,8 @@ def iter_covering(plan: StagePlan, sources: Sequence[torch.Tensor]) -> Steps[lis
                 and src.is_contiguous()
             ):
                 cover[s] = i
-        if clock() > deadline:
+        if slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     return cover
 
 
@@ -114,7 +113,6 @@ def iter_copy_layout(
 ) -> Steps[CopyLayout]:
     """Group the plan's storages into batches of at most ``chunk_bytes`` and :data:`MAX_BATCH_PAIRS`."""
     cover = yield from iter_covering(plan, sources)
-    deadline = clock() + SLICE_SECONDS
     out: dict[bool, tuple[list[tuple[int, ...]], list[int]]] = {True: ([], []), False: ([], [])}
     current: dict[bool, tuple[list[int], list[int]]] = {True: ([], [0]), False: ([], [0])}
     for s, storage_spec in enumerate(plan.storages):
@@ -134,9 +132,8 @@ def iter_copy_layout(
             size[0] = 0
         idx.append(c)
         size[0] += n
-        if clock() > deadline:
+        if slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     for on_host in (True, False):
         if current[on_host][0]:
             out[on_host][0].append(tuple(current[on_host][0]))
@@ -164,7 +161,6 @@ def iter_batches(
     copied through byte views).  Storages in ``skip`` are not copied.
     """
     out: list[Batch] = []
-    deadline = clock() + SLICE_SECONDS
     tensors = plan.tensors
     for idx in layout.host if on_host else layout.device:
         if skip:
@@ -172,9 +168,8 @@ def iter_batches(
             if not idx:
                 continue
         out.append(([dst[i] for i in idx], [src[i] for i in idx]))
-        if clock() > deadline:
+        if slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     cover = layout.cover
     for s in layout.host_other if on_host else layout.device_other:
         if s in skip:
@@ -188,9 +183,8 @@ def iter_batches(
             out.extend(([d[i : i + step]], [sr[i : i + step]]) for i in range(0, d.numel(), step))
         else:
             out.append(([d], [sr]))
-        if clock() > deadline:
+        if slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     return out
 
 
@@ -210,21 +204,12 @@ async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.Capacity
     One call rather than one per batch: a hand-off per 16 MiB left the copy idle between
     batches (~15 % of a 1.5 GB stage).  On cancellation the thread is told to stop after
     the batch it is copying, and this waits for that (a few ms) before the cancellation
-    propagates, so no thread writes into a buffer after this returns.
+    propagates, so no thread writes into a buffer after this returns.  The batches travel
+    in a :class:`~astage._threads.Call` box, so an idle worker thread pins no buffer.
     """
     stop, done = threading.Event(), threading.Event()
-    claim = threading.Lock()
-    state = ["queued"]  # -> "running" (claimed by the thread) or "dropped" (by a cancellation)
-    # An idle worker thread keeps its last call's arguments alive: the batches travel in a
-    # box emptied by the thread (or by a cancellation), so nothing parked pins the buffers.
-    box = [list(plan_batches)]
 
-    def work() -> None:
-        with claim:
-            if state[0] == "dropped":
-                return
-            state[0] = "running"
-        batches = box.pop()
+    def work(batches: list[Batch]) -> None:
         batches.reverse()
         try:
             while batches and not stop.is_set():
@@ -235,30 +220,27 @@ async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.Capacity
             batches.clear()
             done.set()
 
+    call = Call(work, list(plan_batches))
     try:
-        await anyio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(call.run, limiter=limiter, abandon_on_cancel=True)
     except BaseException:
         stop.set()
-        with claim:
-            running = state[0] == "running"
-            if not running:  # the thread will never touch the batches: drop them now
-                state[0] = "dropped"
-                box.clear()
-        if running:  # wait for the batch it is copying
+        if call.drop():  # the thread has the batches: wait for the batch it is copying
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(done.wait)
         raise
+    call.take()
 
 
-def enqueue_device_copies(plan_batches: list[Sequence[Batch]], side_stream: Any, compute_stream: Any) -> Any:
+def enqueue_device_copies(plan_batches: Sequence[Batch], side_stream: Any, compute_stream: Any) -> Any:
     """Enqueue every batch non-blocking on ``side_stream``; return an event recorded after.
 
     The side stream first waits for ``compute_stream`` so it never copies stale data.
-    Blocking only for the enqueueing: run it in a worker thread for big state_dicts.
-    ``plan_batches`` is a one-element box, emptied here (see :func:`copy_in_threads`).
+    Blocking only for the enqueueing: run it in a worker thread for big state_dicts,
+    through :func:`astage._threads.run_sync` (the batches view staging buffers).
     """
     side_stream.wait_stream(compute_stream)
     with side_stream:
-        for batch in plan_batches.pop():
+        for batch in plan_batches:
             run_batch(batch, non_blocking=True)
         return side_stream.record_event()

@@ -75,8 +75,8 @@ from ._plan import (
     TensorNode,
     TensorSpec,
     _Planner,
-    rebuild,
 )
+from ._rebuild import rebuild
 from ._slices import drive
 
 MAGIC: Final = b"ASTAGE\x00R"

@@ -7,8 +7,8 @@ training job saves the same structure again and again, and with :class:`DefaultS
 staged copy is the very same tree, refilled in place.
 
 So once a layout has been made (and the save's background task has time), the staged tree
-is planned and its plan kept in its checkable form (:class:`astage._plan.FastPlan`).  A
-later save matches its staged tree against that plan (:func:`astage._plan.iter_match`,
+is planned and its plan kept in its checkable form (:class:`astage._match.FastPlan`).  A
+later save matches its staged tree against that plan (:func:`astage._match.iter_match`,
 about 1 us a tensor, time-sliced on the loop): container types, keys, non-tensor values,
 and every tensor's type, dtype, shape, stride, offset, flags and storage.  Where it
 matches, ``lay_out`` would return the same layout but for the metadata (step, checkpoint
@@ -36,8 +36,10 @@ import torch
 
 from ._format import HEADER_CAP, ReplicaLayout, lay_out
 from ._limits import INT64, RANK_LIMIT
-from ._plan import FastPlan, iter_fast_plan, iter_match, iter_plan, plain_tensor_mode
-from ._slices import SLICE_SECONDS, Steps, clock, run_steps, within
+from ._match import FastPlan, iter_fast_plan, iter_match
+from ._plan import iter_plan
+from ._rebuild import plain_tensor_mode
+from ._slices import Steps, run_steps, slice_over, within
 from ._threads import run_sync
 
 log = logging.getLogger("astage.layout_cache")
@@ -84,12 +86,10 @@ def _storages(
     sources: list[torch.Tensor], firsts: tuple[int, ...]
 ) -> Steps[tuple[torch.UntypedStorage, ...]]:
     storages = []
-    deadline = clock() + SLICE_SECONDS
     for start in range(0, len(firsts), _CHUNK):
         storages += [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
-        if clock() > deadline:  # a chunk takes far less than a slice
+        if slice_over():  # a chunk takes far less than a slice
             yield
-            deadline = clock() + SLICE_SECONDS
     return tuple(storages)
 
 

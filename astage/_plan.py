@@ -24,8 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import copy
 import copyreg
 import dataclasses
@@ -39,16 +37,16 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
 
 from ._errors import Attr, KeyPath, UnsupportedInputError
-from ._slices import SLICE_SECONDS, Steps, clock, drive, within
+from ._slices import Steps, drive, slice_over
 
 
-def _dtensor_class() -> type | None:
+def dtensor_class() -> type | None:
     """DTensor if torch.distributed.tensor is loaded (it costs ~1.7 s to import; a state_dict
     cannot hold a DTensor unless its user has imported it already)."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -292,12 +290,11 @@ class _Planner:
         self.storages: list[StorageSpec] = []
         self.storage_objs: list[torch.UntypedStorage] = []
         self.storage_index: dict[int, int] = {}
+        self.storage_specs: dict[tuple[int, torch.device], StorageSpec] = {}
         self.tensor_index: dict[int, int] = {}
         self.memo: dict[int, int] = {}
         self.active: set[int] = set()
         self.keepalive: list[object] = []
-        self.clock = clock
-        self.deadline = clock() + SLICE_SECONDS
         self.rebuilds: dict[type, _Rebuild | str] = {}
 
     def walk(self, x: Any, path: KeyPath) -> Steps[Node]:
@@ -339,7 +336,6 @@ class _Planner:
     def _items(self, pairs: Iterable[tuple[Any, Any]], path: KeyPath) -> Steps[tuple[Node, ...]]:
         out: list[Node] = []
         append = out.append
-        clock = self.clock
         for k, v in pairs:
             # Tensors and atoms are the bulk of a state_dict: handle them without a generator.
             if type(v) in _ATOMS:
@@ -348,9 +344,8 @@ class _Planner:
                 append(self.new_tensor(v, (*path, k)))
             else:
                 append((yield from self.walk(v, (*path, k))))
-            if clock() > self.deadline:
+            if slice_over():
                 yield
-                self.deadline = clock() + SLICE_SECONDS
         return tuple(out)
 
     def container(self, x: Any, cls: type, path: KeyPath) -> Steps[Node]:
@@ -467,7 +462,7 @@ class _Planner:
         elif cls is torch.nn.Parameter:
             kind = TensorKind.PARAMETER
             local = x
-        elif cls is _dtensor_class():
+        elif cls is dtensor_class():
             kind = TensorKind.DTENSOR
             local = x._local_tensor  # type: ignore[attr-defined]
             dtensor_spec = x._spec  # type: ignore[attr-defined]
@@ -483,14 +478,7 @@ class _Planner:
                 path,
                 f"device {device} is not supported here (expected one of {sorted(self.allowed_devices)})",
             )
-        storage = local.untyped_storage()
-        key = storage._cdata
-        sidx = self.storage_index.get(key)
-        if sidx is None:
-            sidx = len(self.storages)
-            self.storage_index[key] = sidx
-            self.storages.append(StorageSpec(storage.nbytes(), device))
-            self.storage_objs.append(storage)
+        sidx = self.storage_of(local, device)
         attrs = x.__dict__
         attr_node = drive(self.walk(attrs, (*path, Attr("__dict__")))) if attrs else None
         index = len(self.tensors)
@@ -499,7 +487,7 @@ class _Planner:
                 path,
                 sidx,
                 local.dtype,
-                local.shape,
+                tuple(local.shape),  # a plain tuple: the collector stops tracking it (Size stays)
                 local.stride(),
                 int(local.storage_offset()),
                 kind,
@@ -514,6 +502,24 @@ class _Planner:
         self.tensor_index[id(x)] = index
         self.keepalive.append(x)
         return TensorNode(index)
+
+    def storage_of(self, local: torch.Tensor, device: torch.device) -> int:
+        """The plan's index of ``local``'s storage, planned at its first tensor."""
+        storage = local.untyped_storage()
+        key = storage._cdata
+        sidx = self.storage_index.get(key)
+        if sidx is None:
+            sidx = len(self.storages)
+            self.storage_index[key] = sidx
+            nbytes = storage.nbytes()
+            # One StorageSpec per (size, device), shared: a plan lives as long as its stager,
+            # and every object it holds is rescanned by each full collection.
+            spec = self.storage_specs.get((nbytes, device))
+            if spec is None:
+                spec = self.storage_specs[nbytes, device] = StorageSpec(nbytes, device)
+            self.storages.append(spec)
+            self.storage_objs.append(storage)
+        return sidx
 
     def _reject(self, t: torch.Tensor, path: KeyPath) -> NoReturn:
         if t.is_meta:
@@ -536,7 +542,7 @@ class _Collector(_Planner):
 
     def new_tensor(self, x: torch.Tensor, path: KeyPath) -> TensorNode:
         index = len(self.sources)
-        is_dtensor = type(x) is not torch.Tensor and type(x) is _dtensor_class()
+        is_dtensor = type(x) is not torch.Tensor and type(x) is dtensor_class()
         self.sources.append(x._local_tensor if is_dtensor else x)  # type: ignore[attr-defined]
         self.paths.append(path)
         self.tensor_index[id(x)] = index
@@ -580,450 +586,3 @@ def iter_plan(
     root = yield from planner.walk(state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
     return PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs))
-
-
-# -- rebuild ------------------------------------------------------------------------------
-
-
-def make_tensor(spec: TensorSpec, storage: torch.UntypedStorage) -> torch.Tensor:
-    """A plain tensor viewing ``storage`` exactly as the source viewed its storage."""
-    t = torch.empty(0, dtype=spec.dtype).set_(storage, spec.offset, spec.size, spec.stride)
-    if spec.conj:
-        t = t.conj()
-    if spec.neg:
-        t = torch._neg_view(t)
-    return t
-
-
-def rebuild(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Any:
-    """Rebuild the planned tree over staged ``storages`` (one per :attr:`StagePlan.storages`)."""
-    return drive(
-        iter_rebuild(plan, lambda i: make_tensor(plan.tensors[i], storages[plan.tensors[i].storage]))
-    )
-
-
-def iter_rebuild(plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> Steps[Any]:
-    """Rebuild the planned tree in time slices; ``local_tensor(i)`` gives the plain staged
-    tensor of ``plan.tensors[i]`` (wrapped here as a Parameter or DTensor as planned)."""
-    return (yield from within(plain_tensor_mode, Rebuilder(plan, local_tensor).node(plan.root)))
-
-
-@contextlib.contextmanager
-def plain_tensor_mode() -> Iterator[None]:
-    """Create and write staged tensors as plain tensors, whatever mode the caller is in.
-
-    Under ``torch.inference_mode()`` new tensors are inference tensors, which the worker
-    threads (outside that mode) may not write: ``stage()`` inside it always failed
-    (issue 9).  Gradients are off too: staging records no autograd history.
-    """
-    with torch.inference_mode(False), torch.no_grad():
-        yield
-
-
-class Rebuilder:
-    # A class rather than nested closures: closures that call each other form a reference
-    # cycle, which would keep the staged tensors (and so their buffers) alive until the
-    # garbage collector happens to run.
-    def __init__(self, plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> None:
-        self.plan = plan
-        self.local_tensor = local_tensor
-        self.built: dict[int, Any] = {}
-        self.tensors: list[torch.Tensor | None] = [None] * len(plan.tensors)
-        self.deadline = clock() + SLICE_SECONDS
-
-    def tensor(self, index: int) -> torch.Tensor:
-        done = self.tensors[index]
-        if done is not None:
-            return done
-        spec = self.plan.tensors[index]
-        local = self.local_tensor(index)
-        out: torch.Tensor
-        if spec.kind is TensorKind.PARAMETER:
-            out = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
-        elif spec.kind is TensorKind.DTENSOR:
-            out = cast(Any, _dtensor_class())(local, spec.dtensor_spec, requires_grad=spec.requires_grad)
-        elif spec.kind is TensorKind.NDARRAY:
-            out = cast(Any, local.numpy())  # shares the storage's memory, like every tensor here
-        else:
-            out = local.requires_grad_(spec.requires_grad) if spec.requires_grad else local
-        if spec.attrs is not None:
-            vars(out).update(drive(self.node(spec.attrs)))
-        self.tensors[index] = out
-        return out
-
-    def many(self, nodes: Iterable[Node]) -> Steps[list[Any]]:
-        out: list[Any] = []
-        append = out.append
-        for n in nodes:
-            if type(n) is TensorNode:
-                append(self.tensor(n.position))
-            elif type(n) is AtomNode:
-                append(n.value)
-            else:
-                append((yield from self.node(n)))
-            if clock() > self.deadline:
-                yield
-                self.deadline = clock() + SLICE_SECONDS
-        return out
-
-    def pairs(self, attrs: tuple[tuple[str, Node], ...]) -> Steps[list[tuple[str, Any]]]:
-        values = yield from self.many(v for _, v in attrs)
-        return [(k, v) for (k, _), v in zip(attrs, values, strict=True)]
-
-    def node(self, n: Node) -> Steps[Any]:
-        match n:
-            case TensorNode(index):
-                return self.tensor(index)
-            case AtomNode(value):
-                return value
-            case CopyNode(value):
-                return copy.deepcopy(value)
-            case RefNode(memo):
-                return self.built[memo]
-            case DictNode(memo, keys, values, proto, attrs):
-                built_values = yield from self.many(values)
-                if proto is None:
-                    out_d: dict[Any, Any] = dict(zip(keys, built_values, strict=True))
-                else:
-                    out_d = copy.copy(proto)
-                    out_d.clear()
-                    for k, v in zip(keys, built_values, strict=True):
-                        out_d[k] = v
-                    vars(out_d).update((yield from self.pairs(attrs)))
-                self.built[memo] = out_d
-                return out_d
-            case SeqNode(memo, cls, items, proto, attrs):
-                values_l = yield from self.many(items)
-                out_s: Any
-                if cls is list:
-                    out_s = values_l
-                elif cls is tuple:
-                    out_s = tuple(values_l)
-                elif proto is not None:
-                    out_s = copy.copy(proto)
-                    out_s.clear()
-                    out_s.extend(values_l)
-                    vars(out_s).update((yield from self.pairs(attrs)))
-                elif hasattr(cls, "_make"):
-                    out_s = cls._make(values_l)
-                else:
-                    out_s = cls(values_l)
-                self.built[memo] = out_s
-                return out_s
-            case ObjectNode(memo, cls, fields):
-                obj = cast(Any, cls).__new__(cls)
-                self.built[memo] = obj
-                for name, value in (yield from self.pairs(fields)):
-                    object.__setattr__(obj, name, value)
-                return obj
-        raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
-
-
-# -- re-using a plan ----------------------------------------------------------------------
-#
-# Planning 20,000 tensors costs more than copying them.  A later stage of a state_dict with
-# the same structure re-uses the plan after checking, per tensor, everything the plan was
-# derived from.  Object identity is never trusted: ``model.state_dict()`` returns new
-# tensor objects (and new dicts) every call.
-
-
-def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    """Everything a plan records about one tensor, as one tuple compared in C.
-
-    The storage is named by its ``StorageImpl`` (``_cdata``, what the planner groups
-    storages by) with its byte size, so a tensor moved to another storage (``set_``,
-    ``.data =``), a storage resized, or two tensors that start or stop sharing one, all
-    change some tensor's signature.  Layouts the plan refuses need no field of their own:
-    sparse, mkldnn and compressed tensors have no storage and nested ones no strides, so
-    reading the signature of one raises (and the re-check fails).  About 1 us a tensor:
-    every field read costs, so nothing is read twice.
-    """
-    st = t.untyped_storage()
-    return (*_meta_signature(t), st._cdata, st.nbytes())
-
-
-_META = slice(0, 8)
-"""The part of a :func:`tensor_signature` that is not about which storage the tensor views."""
-
-
-def _meta_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    """``tensor_signature(t)[_META]``, without asking for the storage."""
-    return (
-        type(t),
-        t.dtype,
-        t.shape,
-        t.stride(),
-        t.storage_offset(),
-        t.requires_grad,
-        t.is_conj(),
-        t.is_neg(),
-    )
-
-
-_EQUAL_ATOMS: frozenset[type] = frozenset({int, str, bytes, type(None), torch.Size, torch.device})
-"""Atom types whose ``==`` means "the same value" (``bool``, ``dtype`` are singletons)."""
-
-
-def _same_atom(old: Any, new: Any) -> bool:
-    if new is old:
-        return True
-    cls = type(old)
-    if type(new) is not cls:
-        return False
-    if cls in _EQUAL_ATOMS:
-        return bool(new == old)
-    if cls is float:  # NaN never equals itself (re-plan), and -0.0 == 0.0 must not pass
-        return bool(new == old) and (new != 0.0 or str(new) == str(old))
-    return False
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class FastPlan:
-    """A plan with what is needed to check that a later state_dict has the same one.
-
-    ``signatures[i]`` is :func:`tensor_signature` of ``plan.tensors[i]``'s source when the
-    plan was made; ``key_types`` the types of every dict's keys, by memo.
-    """
-
-    plan: StagePlan
-    signatures: tuple[tuple[Any, ...], ...]
-    key_types: dict[int, tuple[type, ...]]
-    nbytes: int
-    runs: dict[int, int]
-    """Containers whose items are all tensors met there first, at consecutive positions:
-    ``id(node.values or node.items)`` -> the first position (checked in one tight loop)."""
-
-
-_KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
-
-
-def _eligible(node: Node, key_types: dict[int, tuple[type, ...]], runs: dict[int, int]) -> Steps[bool]:
-    """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
-    tuples, immutable atoms and plain tensors or Parameters only (anything else is planned
-    anew at every stage, as before)."""
-    match node:
-        case AtomNode() | TensorNode():
-            return True
-        case DictNode(memo, keys, values, proto, attrs) if (proto is None and not attrs) or type(
-            proto
-        ) is collections.OrderedDict:
-            # OrderedDict: what nn.Module.state_dict() returns, with its `_metadata` attribute.
-            types_ = tuple(map(type, keys))
-            if not _KEY_ATOMS.issuperset(types_):
-                return False
-            key_types[memo] = types_
-            children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
-        case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
-            children = items
-        case _:
-            return False
-    for child in children:
-        if (
-            type(child) is not AtomNode
-            and type(child) is not TensorNode
-            and not (yield from _eligible(child, key_types, runs))
-        ):
-            return False
-    items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
-    if items_ and all(type(c) is TensorNode for c in items_):
-        first = items_[0].position  # type: ignore[union-attr]
-        if all(c.position == first + i for i, c in enumerate(items_)):
-            runs[id(items_)] = first
-    return True
-
-
-def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
-    """The checkable form of ``source``'s plan, or ``None`` where it cannot be re-checked."""
-    plan = source.plan
-    for spec in plan.tensors:
-        if spec.kind is TensorKind.DTENSOR or spec.attrs is not None:
-            return None
-    key_types: dict[int, tuple[type, ...]] = {}
-    runs: dict[int, int] = {}
-    if not (yield from _eligible(plan.root, key_types, runs)):
-        return None
-    # The signatures are what tensor_signature() would read from the sources, built from
-    # what the plan recorded of them: no tensor is asked again.
-    cdata = [st._cdata for st in source.storages]
-    storages = plan.storages
-    cls = {TensorKind.TENSOR: torch.Tensor, TensorKind.PARAMETER: torch.nn.Parameter}
-    signatures = []
-    deadline = clock() + SLICE_SECONDS
-    for spec in plan.tensors:
-        s = spec.storage
-        signatures.append(
-            (
-                cls[spec.kind],
-                spec.dtype,
-                spec.size,
-                spec.stride,
-                spec.offset,
-                spec.requires_grad,
-                spec.conj,
-                spec.neg,
-                cdata[s],
-                storages[s].nbytes,
-            )
-        )
-        if clock() > deadline:
-            yield
-            deadline = clock() + SLICE_SECONDS
-    return FastPlan(plan, tuple(signatures), key_types, plan.nbytes, runs)
-
-
-_RUN_CHUNK = 256
-"""Tensors checked between two looks at the clock in :meth:`_Matcher.run`."""
-
-
-class _Matcher:
-    """Walks a state_dict alongside a plan, collecting its tensors in plan order."""
-
-    def __init__(self, fast: FastPlan, meta_only: bool) -> None:
-        self.meta_only = meta_only
-        self.signatures = fast.signatures
-        self.key_types = fast.key_types
-        self.runs = fast.runs
-        self.sources: list[torch.Tensor] = []
-        self.containers: set[int] = set()
-        self.keepalive: list[object] = []  # ids stay unique only while the objects live
-        self.deadline = clock() + SLICE_SECONDS
-
-    def container(self, node: Node, x: Any) -> Steps[bool]:
-        if id(x) in self.containers:  # met twice: the planner would make a RefNode (or refuse a cycle)
-            return False
-        self.containers.add(id(x))
-        self.keepalive.append(x)
-        if type(node) is DictNode:
-            proto = node.prototype
-            if type(x) is not (dict if proto is None else type(proto)):
-                return False
-            # One snapshot of keys and values, taken before the walk yields (issue 9).
-            keys, values = tuple(x), tuple(x.values())
-            if len(keys) != len(values) or keys != node.keys:
-                return False
-            if tuple(map(type, keys)) != self.key_types[node.memo]:
-                return False
-            state = getattr(x, "__dict__", None) or {}
-            names, attr_values = tuple(state), tuple(state.values())
-            if names != tuple(name for name, _ in node.attrs):
-                return False
-            # The planner walks the items first, then the attributes: tensors keep their order.
-            if not (yield from self.many(node.values, values)):
-                return False
-            return (yield from self.many(tuple(n for _, n in node.attrs), attr_values))
-        if type(node) is SeqNode:
-            if type(x) is not node.cls:
-                return False
-            items: tuple[Any, ...] = tuple(cast(Any, x))
-            if len(items) != len(node.items):
-                return False
-            return (yield from self.many(node.items, items))
-        return False  # pragma: no cover - an eligible plan holds no other node
-
-    def run(self, first: int, values: tuple[Any, ...]) -> Steps[bool]:
-        """Check a container's items that are all new tensors: the common case, kept to the
-        cost of reading each signature (~1 us a tensor)."""
-        signatures, sources = self.signatures, self.sources
-        for start in range(0, len(values), _RUN_CHUNK):
-            chunk = values[start : start + _RUN_CHUNK]
-            expected = signatures[first + start : first + start + len(chunk)]
-            if len(chunk) != len(expected):
-                return False
-            if self.meta_only:
-                for v, sig in zip(chunk, expected, strict=True):
-                    if (
-                        type(v),
-                        v.dtype,
-                        v.shape,
-                        v.stride(),
-                        v.storage_offset(),
-                        v.requires_grad,
-                        v.is_conj(),
-                        v.is_neg(),
-                    ) != sig[_META] or v.__dict__:
-                        return False
-            else:
-                for v, sig in zip(chunk, expected, strict=True):
-                    st = v.untyped_storage()  # not a tensor: AttributeError, caught by many()
-                    if (
-                        type(v),
-                        v.dtype,
-                        v.shape,
-                        v.stride(),
-                        v.storage_offset(),
-                        v.requires_grad,
-                        v.is_conj(),
-                        v.is_neg(),
-                        st._cdata,
-                        st.nbytes(),
-                    ) != sig or v.__dict__:
-                        return False
-            sources.extend(chunk)
-            if clock() > self.deadline:
-                yield
-                self.deadline = clock() + SLICE_SECONDS
-        return True
-
-    def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
-        signatures, sources, append = self.signatures, self.sources, self.sources.append
-        first = self.runs.get(id(nodes))
-        if first is not None and first == len(sources) and len(values) == len(nodes):
-            try:
-                return (yield from self.run(first, values))
-            except Exception:  # a value the plan never saw
-                return False
-        Tensor = torch.Tensor
-        try:
-            for node, v in zip(nodes, values, strict=True):
-                cls = type(node)
-                if cls is TensorNode:
-                    p = node.position  # type: ignore[union-attr]
-                    n = len(sources)
-                    if p == n:
-                        if not isinstance(v, Tensor) or v.__dict__:
-                            return False
-                        if self.meta_only:
-                            if _meta_signature(v) != signatures[p][_META]:
-                                return False
-                        elif tensor_signature(v) != signatures[p]:
-                            return False
-                        append(v)
-                    elif p > n or v is not sources[p]:  # the plan met this very tensor before
-                        return False
-                elif cls is AtomNode:
-                    if not _same_atom(node.value, v):  # type: ignore[union-attr]
-                        return False
-                elif not (yield from self.container(node, v)):
-                    return False
-                if clock() > self.deadline:
-                    yield
-                    self.deadline = clock() + SLICE_SECONDS
-        except Exception:  # a value the plan never saw (a sparse tensor has no storage, ...)
-            return False
-        return True
-
-
-def iter_match(
-    fast: FastPlan, state_dict: Any, *, meta_only: bool = False
-) -> Steps[list[torch.Tensor] | None]:
-    """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
-
-    Checks everything the plan was derived from: container types, keys (in order, with
-    their types), lengths and non-tensor values; each tensor's :func:`tensor_signature`
-    (storage, dtype, shape, stride, offset, type, ``requires_grad``, conj/neg bits); that no
-    tensor carries attributes; and that the same tensor object, and only it, appears
-    wherever the plan met one tensor twice.  The cyclic collector stays paused while it
-    runs (see :mod:`astage._slices`) and it keeps no per-tensor objects.
-
-    :param meta_only: check every tensor but not which storage it views (for a staged
-        copy, whose storages are the caller's to check).
-    """
-    matcher = _Matcher(fast, meta_only)
-    ok = yield from matcher.many((fast.plan.root,), (state_dict,))
-    sources = matcher.sources
-    if not ok or len(sources) != len(fast.signatures):
-        return None
-    # A tensor object met at two positions the plan holds apart would be one in a new plan.
-    if len(set(map(id, sources))) != len(sources):
-        return None
-    return sources

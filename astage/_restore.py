@@ -56,8 +56,8 @@ from ._persist import (
     inspect_replica,
     write_replica,
 )
-from ._plan import rebuild
 from ._pool import BufferPool
+from ._rebuild import rebuild
 from ._replication import ReplicationStager, _remaining
 from ._sink import _StreamingSink
 

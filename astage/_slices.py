@@ -4,7 +4,13 @@ Walking or rebuilding a state_dict of tens of thousands of tensors takes tens of
 milliseconds of Python that cannot leave the GIL.  Such work is written as a
 :data:`Steps` generator that yields whenever it has run for :data:`SLICE_SECONDS`; an async
 caller gives the loop a turn at each yield (:func:`run_steps`), a synchronous caller runs
-it straight through (:func:`drive`).
+it straight through (:func:`drive`).  The driver starts each slice; the work only asks
+:func:`slice_over` and yields when it says so::
+
+    for item in items:
+        ...
+        if slice_over():
+            yield
 
 The cyclic garbage collector is paused during each slice: a walk allocates one small
 object per tensor that lives as long as the plan, and a collection pass triggered every
@@ -15,6 +21,7 @@ tensors).  Collection resumes between slices, so nothing is deferred for long.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Generator
 from typing import TypeVar
@@ -35,14 +42,34 @@ SLICE_SECONDS = 0.0005
 clock = time.perf_counter
 
 
+class _SliceDeadline(threading.local):
+    """When the slice running on this thread is used up (per thread: a worker thread may
+    drive its own computation while the loop thread runs another)."""
+
+    at = float("inf")  # outside any slice: never yield
+
+
+_deadline = _SliceDeadline()
+
+
+def slice_over() -> bool:
+    """Whether the current slice has used up its :data:`SLICE_SECONDS` (then yield)."""
+    return clock() > _deadline.at
+
+
 def _slice(steps: Steps[T]) -> tuple[bool, T | None]:
     """Run one slice with the collector paused; ``(finished, value)``."""
-    with gc_paused():
-        try:
-            next(steps)
-        except StopIteration as done:
-            return True, done.value
-    return False, None
+    outer = _deadline.at  # a computation driven inside another's slice gives it back after
+    _deadline.at = clock() + SLICE_SECONDS
+    try:
+        with gc_paused():
+            try:
+                next(steps)
+            except StopIteration as done:
+                return True, done.value
+        return False, None
+    finally:
+        _deadline.at = outer
 
 
 def drive(steps: Steps[T]) -> T:

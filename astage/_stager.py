@@ -10,7 +10,7 @@ Invariants:
 * ``stage()`` returns a copy that later changes to the source never reach, and that the
   stager never overwrites until it is released (``release()``) or no longer referenced.
 * A later stage of the same structure re-uses the plan only after re-checking, per tensor
-  and per container, everything the plan was derived from (``_plan.iter_match``), and
+  and per container, everything the plan was derived from (``_match.iter_match``), and
   refills a released copy of it in place (the same tree comes back).  A refill that fails
   or is cancelled drops that copy.
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
 import torch
@@ -52,6 +53,7 @@ from ._copy import (
 )
 from ._errors import ClosedError, EventLoopError, UnsupportedInputError
 from ._events import STRATEGIES, Strategy, wait_event
+from ._match import FastPlan, iter_fast_plan, iter_match
 from ._options import (
     ResolvedOptions,
     StagingOptions,
@@ -60,20 +62,11 @@ from ._options import (
     check_positive_int,
     coerce_options,
 )
-from ._plan import (
-    FastPlan,
-    PlannedSource,
-    Rebuilder,
-    StagePlan,
-    iter_fast_plan,
-    iter_match,
-    iter_plan,
-    iter_tensor_paths,
-    make_tensor,
-    plain_tensor_mode,
-)
+from ._plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
 from ._pool import Buffer, BufferKind, BufferPool, PoolStats
-from ._slices import SLICE_SECONDS, Steps, clock, drive, run_steps, within
+from ._rebuild import Rebuilder, make_tensor, plain_tensor_mode
+from ._slices import Steps, clock, drive, run_steps, slice_over, within
+from ._threads import run_sync
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
@@ -151,7 +144,7 @@ class StageStats:
         )
 
 
-class DefaultStager:
+class DefaultStager(anyio.abc.AsyncResource):
     """Stage state_dicts into pooled CPU buffers; the asyncio/anyio-native ``DefaultStager``.
 
     ::
@@ -219,18 +212,7 @@ class DefaultStager:
         self._spare: _Spare | None = None
         self._last: _Filled | None = None
 
-    # -- lifecycle ------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    # -- lifecycle (``async with`` comes from AsyncResource: it calls aclose) ---------------
 
     @property
     def closed(self) -> bool:
@@ -326,8 +308,11 @@ class DefaultStager:
                     self._idle.set()
                     self._idle = None
 
-    async def _run(self, steps: Steps[Any]) -> Any:
-        steps = within(plain_tensor_mode, steps)
+    async def _run(self, steps: Steps[Any], *, makes_tensors: bool = True) -> Any:
+        """Run ``steps`` in slices (inline for a blocking stager); one that makes tensors runs
+        in plain tensor mode (entering it at each slice costs, so read-only walks skip it)."""
+        if makes_tensors:
+            steps = within(plain_tensor_mode, steps)
         return await run_steps(steps) if self._resolved.async_copy else drive(steps)
 
     async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
@@ -335,15 +320,17 @@ class DefaultStager:
         fast = self._fast
         sources: list[torch.Tensor] | None = None
         if fast is not None:
-            sources = await self._run(iter_match(fast, state_dict))
+            sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
         layout = self._layout
         if sources is None or fast is None or layout is None:
             # A new structure (or the first stage): plan it, and drop the copy kept for the
             # old one, whose buffers may be needed under the memory cap.
             self._forget_plan()
-            source: PlannedSource = await self._run(iter_plan(state_dict, strict=self._strict))
-            layout = await self._run(iter_copy_layout(source.plan, source.tensors))
-            fast = await self._run(iter_fast_plan(source))
+            source: PlannedSource = await self._run(
+                iter_plan(state_dict, strict=self._strict), makes_tensors=False
+            )
+            layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
+            fast = await self._run(iter_fast_plan(source), makes_tensors=False)
             self._fast, self._layout = fast, layout
             plan, sources = source.plan, list(source.tensors)
         else:
@@ -369,7 +356,6 @@ class DefaultStager:
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
-        buffers = tuple(lease.buffers)
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
@@ -385,8 +371,8 @@ class DefaultStager:
             self._pool.hand_out(lease)
             self._pool.reclaim()
             raise
-        self._pool.hand_out(lease)
-        self._remember(plan, buffers, sources, cast(list[torch.Tensor], rebuilder.tensors))
+        serial = self._pool.hand_out(lease)
+        self._remember(plan, serial, sources, cast(list[torch.Tensor], rebuilder.tensors))
         stats = self._record(plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started)
         return staged, stats
 
@@ -408,7 +394,7 @@ class DefaultStager:
             spare = None
             self._pool.reclaim()
             raise
-        self._remember(plan, spare.buffers, sources, spare.tensors)
+        self._remember(plan, spare.serial, sources, spare.tensors)
         stats = self._record(plan, 0, len(plan.storages), 0.0, started, skip)
         return spare.tree, stats
 
@@ -451,15 +437,15 @@ class DefaultStager:
     def _remember(
         self,
         plan: StagePlan,
-        buffers: tuple[Buffer, ...],
+        serial: int,
         sources: list[torch.Tensor],
         staged: list[torch.Tensor],
     ) -> None:
-        """Record what the copy in ``buffers`` now holds, for ``skip_unchanged``."""
+        """Record what the copy ``serial`` (the pool's lease serial) now holds, for ``skip_unchanged``."""
         if not self._resolved.skip_unchanged or self._fast is None or self._fast.plan is not plan:
             return
         self._last = _Filled(
-            buffers,
+            serial,
             sources,
             [t._version for t in sources],
             [t.data_ptr() for t in sources],
@@ -476,7 +462,7 @@ class DefaultStager:
         """
         last = self._last
         self._last = None
-        if last is None or last.buffers != spare.buffers:
+        if last is None or last.serial != spare.serial:
             return set()
         if [t._version for t in spare.tensors] != last.staged_versions:
             return set()
@@ -503,11 +489,10 @@ class DefaultStager:
         compute = torch.accelerator.current_stream()  # the caller's stream, on the loop thread
         try:
             if self._resolved.async_copy:
-                event = await anyio.to_thread.run_sync(
-                    enqueue_device_copies, [plan_batches], side, compute, limiter=self._limiter
-                )
+                limiter = self._limiter
+                event = await run_sync(enqueue_device_copies, plan_batches, side, compute, limiter=limiter)
             else:
-                event = enqueue_device_copies([plan_batches], side, compute)
+                event = enqueue_device_copies(plan_batches, side, compute)
             await wait_event(event, strategy=self._event_strategy)
         except BaseException:
             # Copies may still be in flight into the leased buffers: wait for all of them
@@ -610,32 +595,31 @@ class DefaultStager:
         plan = fast.plan
         if not plan.storages:
             return None
-        out = self._pool.handed_out_buffers()
+        pool = self._pool
+        out = pool.handed_out_buffers()
         storages = plan.storages
         buffers: list[Buffer | None] = [None] * len(storages)
         serial = None
-        deadline = clock() + SLICE_SECONDS
         for spec, t in zip(plan.tensors, tensors, strict=True):
-            storage = t.untyped_storage()
-            buf = out.get(storage._cdata)
+            key = t.untyped_storage()._cdata
+            buf = out.get(key)
             if buf is None:
                 return None
             s = spec.storage
             have = buffers[s]
             if have is None:
-                nbytes = storages[s].nbytes
-                if buf.nbytes != nbytes or storage.nbytes() != nbytes:
+                if buf.nbytes() != storages[s].nbytes:
                     return None
+                copy = pool.copy_of(key)
                 if serial is None:
-                    serial = buf.copy
-                elif buf.copy != serial:  # buffers of two copies
+                    serial = copy
+                elif copy != serial:  # buffers of two copies
                     return None
                 buffers[s] = buf
             elif have is not buf:
                 return None
-            if clock() > deadline:
+            if slice_over():
                 yield
-                deadline = clock() + SLICE_SECONDS
         # One buffer per planned storage, all distinct, and every buffer of that copy here:
         # one left out may still be in the caller's hands, and a copy not released is never
         # overwritten.
@@ -662,18 +646,18 @@ class _Spare:
 
     def storage(self, s: int) -> torch.UntypedStorage:
         """The buffer of planned storage ``s``."""
-        return self.buffers[s].storage
+        return self.buffers[s]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
 class _Filled:
-    """What the last stage copied into ``buffers`` (``skip_unchanged``).
+    """What the last stage copied into the copy ``serial`` (``skip_unchanged``).
 
     ``sources`` are kept alive so that their storages cannot be freed and their
     addresses reused by others that would then look unchanged.
     """
 
-    buffers: tuple[Buffer, ...]
+    serial: int
     sources: list[torch.Tensor]
     versions: list[int]
     data_ptrs: list[int]
@@ -683,12 +667,10 @@ class _Filled:
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
     """The plain staged tensor of every planned tensor, in time slices."""
     out: list[torch.Tensor] = []
-    deadline = clock() + SLICE_SECONDS
     for spec in plan.tensors:
         out.append(make_tensor(spec, storages[spec.storage]))
-        if clock() > deadline:
+        if slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     return out
 
 

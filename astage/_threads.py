@@ -20,6 +20,7 @@ cancellation and is still running).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -32,18 +33,20 @@ T = TypeVar("T")
 class Call(Generic[T]):
     """One call to run in a worker thread, and its outcome, in a box both sides empty."""
 
-    __slots__ = ("_args", "_error", "_fn", "_result")
+    __slots__ = ("_args", "_claim", "_error", "_fn", "_result")
 
     def __init__(self, fn: Callable[..., T], *args: Any) -> None:
         self._fn: Callable[..., T] | None = fn
         self._args: tuple[Any, ...] = args
         self._result: T | None = None
         self._error: BaseException | None = None
+        self._claim = threading.Lock()
 
     def run(self) -> None:
         """Run the call (in the worker thread); keep its outcome in the box, return nothing."""
-        fn, args = self._fn, self._args
-        self._fn, self._args = None, ()
+        with self._claim:
+            fn, args = self._fn, self._args
+            self._fn, self._args = None, ()
         if fn is None:  # dropped by a cancellation before the thread reached it
             return
         try:
@@ -64,10 +67,17 @@ class Call(Generic[T]):
                 del error
         return result  # type: ignore[return-value]
 
-    def drop(self) -> None:
-        """Empty the box (the caller was cancelled and will not take the outcome)."""
-        self._fn, self._args = None, ()
+    def drop(self) -> bool:
+        """Empty the box (the caller was cancelled and will not take the outcome).
+
+        Returns whether a thread had already started the call: then it may still be running
+        (a call not yet started never will be).
+        """
+        with self._claim:
+            started = self._fn is None
+            self._fn, self._args = None, ()
         self._result = self._error = None
+        return started
 
 
 async def run_sync(

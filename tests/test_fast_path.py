@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from astage import DefaultStager, StagingOptions, UnsupportedInputError
+from astage._match import iter_fast_plan, iter_match
+from astage._plan import plan_state_dict
+from astage._slices import drive
 from tests.helpers import run_cancelled_at
 from tests.statedicts import assert_same_tree, bytes_equal, storage_key, tensors_of
 
@@ -276,6 +279,86 @@ async def test_every_change_between_stages_is_staged_faithfully(name: str, relea
         assert_faithful(third, sd)
 
 
+def run_like() -> dict[str, Any]:
+    """A state_dict whose containers hold only tensors: what the re-check's guarded chunks serve."""
+    layer = {f"w{i}": torch.randn(2, 3) for i in range(300)}
+    layer["w260"] = torch.randn(12)[:6].view(2, 3)  # room in its storage for another offset
+    return {"layer": layer, "step": torch.tensor(1.0)}
+
+
+def _in_run(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        sd["layer"]["w260"] = change(sd["layer"]["w260"])  # in the second chunk of the run
+
+    return apply
+
+
+def _share_in_run(sd: dict[str, Any]) -> None:
+    other = sd["layer"]["w3"]
+    sd["layer"]["w260"] = torch.empty(0).set_(other.untyped_storage(), 0, (2, 3), (3, 1))  # w3's
+
+
+def _inference_tensor(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
+def _with_attribute(t: torch.Tensor) -> torch.Tensor:
+    t.note = 1  # type: ignore[attr-defined]
+    return t
+
+
+def _resized(t: torch.Tensor) -> torch.Tensor:
+    t.untyped_storage().resize_(64)
+    return t
+
+
+RUN_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "reshape": _in_run(lambda t: t.view(3, 2)),
+    "another offset": _in_run(lambda t: t.as_strided((2, 3), (3, 1), 1)),
+    "set_ to another storage": _in_run(lambda t: t.set_(torch.randn(12).untyped_storage(), 0, (2, 3))),
+    "dtype": _in_run(lambda t: t.double()),
+    "same-size dtype view": _in_run(lambda t: t.view(torch.int32)),
+    "non-contiguous": _in_run(lambda t: t.t().contiguous().t()),
+    "requires_grad": _in_run(lambda t: t.requires_grad_(True)),
+    "tensor to Parameter": _in_run(lambda t: torch.nn.Parameter(t)),
+    "conj bit": _in_run(lambda t: torch.complex(t, t).conj()),
+    "neg bit": _in_run(torch._neg_view),
+    "storage becomes shared": _share_in_run,
+    "storage resized": _in_run(_resized),
+    "tensor attribute": _in_run(_with_attribute),
+    "inference tensor": _in_run(_inference_tensor),
+    "not a tensor": _in_run(lambda _: 3),
+    "key removed": lambda sd: sd["layer"].pop("w299"),
+}
+
+
+@pytest.mark.parametrize("name", list(RUN_CHANGES))
+async def test_every_change_after_a_warm_recheck_is_staged_faithfully(name: str) -> None:
+    # The second stage's full check arms the chunk guards; the change comes at the third.
+    sd = run_like()
+    async with DefaultStager() as stager:
+        for _ in range(2):
+            await stager.release(await stager.stage(sd))
+        RUN_CHANGES[name](sd)
+        staged = await stager.stage(sd)
+        assert_faithful(staged, sd)
+        await stager.release(staged)
+        assert_faithful(await stager.stage(sd), sd)
+
+
+def test_a_chunk_that_passed_the_full_check_is_guarded_next_time() -> None:
+    sd = run_like()
+    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    assert fast is not None
+    assert drive(iter_match(fast, sd)) is not None
+    assert len(fast.guards) == 2  # the 300-tensor run, in chunks of 256
+    again = {"layer": dict(sd["layer"]), "step": sd["step"]}
+    assert drive(iter_match(fast, again)) == [*sd["layer"].values(), sd["step"]]
+    with torch.no_grad():  # another thread-local mode: the guard may refuse, the full check decides
+        assert drive(iter_match(fast, again)) is not None
+
+
 async def test_a_new_state_dict_object_of_the_same_model_reuses_the_copy() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     async with DefaultStager() as stager:
@@ -300,6 +383,39 @@ async def test_a_steady_stage_leaves_no_objects_per_tensor_for_the_collector() -
         await stager.release(await stager.stage(sd))
         gc.collect()
         assert len(gc.get_objects()) - before < 100  # 2,000 tensors
+
+
+async def test_a_first_stage_keeps_few_objects_per_tensor_for_the_collector() -> None:
+    # Every object a stager keeps is rescanned by each full collection of the program, and a
+    # first stage that keeps many triggers one on the loop thread (issue 11: ~200 ms for
+    # 20,000 tensors).  The staged tensor, its buffer's storage and the pool's record of it,
+    # its TensorSpec and tree node are needed; sizes, signatures and storage specs are not.
+    n = 2_000
+    sd = {f"l{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(n // 50)}
+    for t in tensors_of(sd):
+        t.untyped_storage()  # the sources' storage objects exist already, as in training
+    async with DefaultStager() as warm:  # first-use caches of the process are not the stager's
+        await warm.release(await warm.stage({"x": [torch.randn(2), {"y": torch.randn(3)}]}))
+    async with DefaultStager() as stager:
+        gc.collect()
+        before = len(gc.get_objects())
+        await stager.release(await stager.stage(sd))  # kept whole, with its plan
+        gc.collect()
+        assert len(gc.get_objects()) - before <= 4.5 * n  # 8 a tensor before this was fixed
+
+
+def test_a_plan_signatures_are_atoms_the_collector_stops_tracking() -> None:
+    sd = {"a": torch.randn(3), "b": torch.nn.Parameter(torch.randn(2, 2)), "c": torch.randn(3)}
+    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    assert fast is not None
+    for _ in range(2):  # a pass untracks a tuple whose items it has untracked already
+        gc.collect()
+    assert not any(gc.is_tracked(sig) for sig in fast.signatures)
+    # Storages of one size and device share one spec.
+    assert fast.plan.storages[0] is fast.plan.storages[2]
+    # The type, kept by id, still tells a Parameter from a plain tensor.
+    assert drive(iter_match(fast, dict(sd))) is not None
+    assert drive(iter_match(fast, {**sd, "a": torch.nn.Parameter(sd["a"])})) is None
 
 
 # -- skip_unchanged -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from astage import UnsupportedInputError
-from astage._plan import TensorKind, plan_state_dict, rebuild
+from astage._plan import TensorKind, plan_state_dict
+from astage._rebuild import rebuild
 from tests.statedicts import assert_same_tree, rich_state_dict, storage_key
 
 

@@ -57,6 +57,22 @@ async def test_a_storage_object_held_by_a_caller_counts_as_a_reference() -> None
     assert pool.reclaim() == 32
 
 
+async def test_a_buffer_its_holder_resized_is_accounted_as_leased_and_not_reused() -> None:
+    pool = BufferPool()
+    lease = await pool.acquire([48, 16])
+    views = hold(lease.storages)
+    pool.hand_out(lease)
+    del lease
+    views[0].untyped_storage().resize_(8)  # the caller's copy, the caller's business
+    del views
+    assert pool.reclaim() == 64  # what was handed out comes back to the accounts
+    stats = pool.stats()
+    assert (stats.handed_out_bytes, stats.free_bytes, stats.total_bytes) == (0, 16, 16)
+    again = await pool.acquire([48])
+    assert again.allocated_bytes == 48
+    assert again.storages[0].nbytes() == 48
+
+
 async def test_new_buffers_are_resident_before_any_copy() -> None:
     size = 64 << 20
     before = psutil.Process().memory_info().rss

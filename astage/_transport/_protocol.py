@@ -19,7 +19,7 @@ import torch
 
 from .._errors import ConfigurationError, IntegrityError
 from .._limits import CHUNK_BYTES as CHUNK_BYTES  # the default body chunk, shared with the writers
-from .._slices import SLICE_SECONDS, Steps, clock
+from .._slices import Steps, slice_over
 
 MAGIC = 0x4153_5441_4745_5752
 """First preamble word: ``b"ASTAGEWR"`` read as a big-endian int64."""
@@ -192,7 +192,6 @@ def plan_chunks(
     chunks: list[Chunk] = []
     s = 0
     steps = 0
-    deadline = clock() + SLICE_SECONDS
     for start in range(0, body_nbytes, chunk_bytes):
         stop = min(start + chunk_bytes, body_nbytes)
         parts: list[torch.Tensor | int] = []
@@ -215,9 +214,8 @@ def plan_chunks(
                 if pos == ends[s]:
                     s += 1
             steps += 1
-            if not steps & _CLOCK_EVERY and clock() > deadline:
+            if not steps & _CLOCK_EVERY and slice_over():
                 yield
-                deadline = clock() + SLICE_SECONDS
         chunks.append(Chunk(start, stop - start, tuple(parts)))
     return ChunkPlan(tuple(chunks), chunk_bytes)
 
@@ -239,7 +237,6 @@ def _nonempty_segments(
     ends: list[int] = []
     tensors: list[torch.Tensor] = []
     end = 0
-    deadline = clock() + SLICE_SECONDS
     tensor_type, uint8 = torch.Tensor, torch.uint8
     for i, (offset, tensor) in enumerate(segments):
         if not (
@@ -260,9 +257,8 @@ def _nonempty_segments(
             starts.append(offset)
             ends.append(end)
             tensors.append(tensor)
-        if not i & _CLOCK_EVERY and clock() > deadline:
+        if not i & _CLOCK_EVERY and slice_over():
             yield
-            deadline = clock() + SLICE_SECONDS
     starts.append(body_nbytes)
     return starts, ends, tensors
 

@@ -1,0 +1,354 @@
+"""Re-check a plan against a later state_dict: the fast path of a repeated stage.
+
+Planning 20,000 tensors costs more than copying them.  A later stage of a state_dict with
+the same structure re-uses the plan after checking, per tensor, everything the plan was
+derived from (:func:`iter_match`).  Object identity is never trusted: ``model.state_dict()``
+returns new tensor objects (and new dicts) every call.
+
+Reading a tensor's fields from Python costs ~0.1 us each, ten of them a tensor.  Where
+this torch has dynamo's C++ ``TensorGuards`` (type, dtype, dispatch keys, which carry the
+conj and neg bits, ``requires_grad``, sizes and strides of many tensors in one call, ~10x
+cheaper), a chunk of tensors that passed the full check once gets one, built from those
+very tensors, and later checks ask it and read only the storage, its size and the offset
+in Python.  It only ever speeds up a "yes": a chunk it refuses (another thread-local mode
+changes the dispatch keys, say) gets the full check, which decides.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, cast
+
+import torch
+
+from ._plan import AtomNode, DictNode, Node, PlannedSource, SeqNode, StagePlan, TensorKind, TensorNode
+from ._slices import Steps, slice_over
+
+_TensorGuards: Any
+try:  # private to dynamo, so optional: without it every check is the Python one
+    from torch._C._dynamo import guards as _dynamo_guards
+
+    _TensorGuards = _dynamo_guards.TensorGuards
+except (ImportError, AttributeError):  # pragma: no cover - every torch this supports has it
+    _TensorGuards = None
+
+
+def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    """Everything a plan records about one tensor, as one tuple compared in C.
+
+    The storage is named by its ``StorageImpl`` (``_cdata``, what the planner groups
+    storages by) with its byte size, so a tensor moved to another storage (``set_``,
+    ``.data =``), a storage resized, or two tensors that start or stop sharing one, all
+    change some tensor's signature.  Layouts the plan refuses need no field of their own:
+    sparse, mkldnn and compressed tensors have no storage and nested ones no strides, so
+    reading the signature of one raises (and the re-check fails).  About 1 us a tensor:
+    every field read costs, so nothing is read twice.
+
+    Every field is an atom (the type by its ``id``: classes live as long as the program,
+    and ``shape`` compares equal to the plain tuple a plan keeps), so the cyclic collector
+    stops tracking a plan's signatures after its first look at them: a plan of 20,000
+    tensors does not add 20,000 objects to every later full collection.
+    """
+    st = t.untyped_storage()
+    return (
+        id(type(t)),
+        t.dtype,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+        t.is_conj(),
+        t.is_neg(),
+        st._cdata,
+        st.nbytes(),
+    )
+
+
+_META = slice(0, 8)
+"""The part of a :func:`tensor_signature` that is not about which storage the tensor views."""
+
+
+_EQUAL_ATOMS: frozenset[type] = frozenset({int, str, bytes, type(None), torch.Size, torch.device})
+"""Atom types whose ``==`` means "the same value" (``bool``, ``dtype`` are singletons)."""
+
+
+def _same_atom(old: Any, new: Any) -> bool:
+    if new is old:
+        return True
+    cls = type(old)
+    if type(new) is not cls:
+        return False
+    if cls in _EQUAL_ATOMS:
+        return bool(new == old)
+    if cls is float:  # NaN never equals itself (re-plan), and -0.0 == 0.0 must not pass
+        return bool(new == old) and (new != 0.0 or str(new) == str(old))
+    return False
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class FastPlan:
+    """A plan with what is needed to check that a later state_dict has the same one.
+
+    ``signatures[i]`` is :func:`tensor_signature` of ``plan.tensors[i]``'s source when the
+    plan was made; ``key_types`` the types of every dict's keys, by memo.
+    """
+
+    plan: StagePlan
+    signatures: tuple[tuple[Any, ...], ...]
+    key_types: dict[int, tuple[type, ...]]
+    nbytes: int
+    runs: dict[int, int]
+    """Containers whose items are all tensors met there first, at consecutive positions:
+    ``id(node.values or node.items)`` -> the first position (checked in one tight loop)."""
+    guards: dict[int, tuple[Any, tuple[tuple[int, int, int, bool], ...]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Chunks of a run that passed a full check, by first position: their ``TensorGuards``
+    and what is left to check in Python (offset, storage, its size, no attributes)."""
+
+
+_KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
+
+
+def _eligible(node: Node, key_types: dict[int, tuple[type, ...]], runs: dict[int, int]) -> Steps[bool]:
+    """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
+    tuples, immutable atoms and plain tensors or Parameters only (anything else is planned
+    anew at every stage, as before)."""
+    match node:
+        case AtomNode() | TensorNode():
+            return True
+        case DictNode(memo, keys, values, proto, attrs) if (proto is None and not attrs) or type(
+            proto
+        ) is collections.OrderedDict:
+            # OrderedDict: what nn.Module.state_dict() returns, with its `_metadata` attribute.
+            types_ = tuple(map(type, keys))
+            if not _KEY_ATOMS.issuperset(types_):
+                return False
+            key_types[memo] = types_
+            children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
+        case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
+            children = items
+        case _:
+            return False
+    for child in children:
+        if (
+            type(child) is not AtomNode
+            and type(child) is not TensorNode
+            and not (yield from _eligible(child, key_types, runs))
+        ):
+            return False
+    items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
+    if items_ and all(type(c) is TensorNode for c in items_):
+        first = items_[0].position  # type: ignore[union-attr]
+        if all(c.position == first + i for i, c in enumerate(items_)):
+            runs[id(items_)] = first
+    return True
+
+
+def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
+    """The checkable form of ``source``'s plan, or ``None`` where it cannot be re-checked."""
+    plan = source.plan
+    for spec in plan.tensors:
+        if spec.kind is TensorKind.DTENSOR or spec.attrs is not None:
+            return None
+    key_types: dict[int, tuple[type, ...]] = {}
+    runs: dict[int, int] = {}
+    if not (yield from _eligible(plan.root, key_types, runs)):
+        return None
+    # The signatures are what tensor_signature() would read from the sources, built from
+    # what the plan recorded of them: no tensor is asked again.
+    cdata = [st._cdata for st in source.storages]
+    storages = plan.storages
+    cls = {TensorKind.TENSOR: id(torch.Tensor), TensorKind.PARAMETER: id(torch.nn.Parameter)}
+    signatures = []
+    for spec in plan.tensors:
+        s = spec.storage
+        signatures.append(
+            (
+                cls[spec.kind],
+                spec.dtype,
+                spec.size,
+                spec.stride,
+                spec.offset,
+                spec.requires_grad,
+                spec.conj,
+                spec.neg,
+                cdata[s],
+                storages[s].nbytes,
+            )
+        )
+        if slice_over():
+            yield
+    return FastPlan(plan, tuple(signatures), key_types, plan.nbytes, runs)
+
+
+_RUN_CHUNK = 256
+"""Tensors checked between two looks at the clock in :meth:`_Matcher.run`."""
+
+
+class _Matcher:
+    """Walks a state_dict alongside a plan, collecting its tensors in plan order."""
+
+    def __init__(self, fast: FastPlan, meta_only: bool) -> None:
+        self.meta_only = meta_only
+        self.signatures = fast.signatures
+        self.key_types = fast.key_types
+        self.runs = fast.runs
+        self.guards = fast.guards
+        self.sources: list[torch.Tensor] = []
+        self.containers: set[int] = set()
+        self.keepalive: list[object] = []  # ids stay unique only while the objects live
+
+    def container(self, node: Node, x: Any) -> Steps[bool]:
+        if id(x) in self.containers:  # met twice: the planner would make a RefNode (or refuse a cycle)
+            return False
+        self.containers.add(id(x))
+        self.keepalive.append(x)
+        if type(node) is DictNode:
+            proto = node.prototype
+            if type(x) is not (dict if proto is None else type(proto)):
+                return False
+            # One snapshot of keys and values, taken before the walk yields (issue 9).
+            keys, values = tuple(x), tuple(x.values())
+            if len(keys) != len(values) or keys != node.keys:
+                return False
+            if tuple(map(type, keys)) != self.key_types[node.memo]:
+                return False
+            state = getattr(x, "__dict__", None) or {}
+            names, attr_values = tuple(state), tuple(state.values())
+            if names != tuple(name for name, _ in node.attrs):
+                return False
+            # The planner walks the items first, then the attributes: tensors keep their order.
+            if not (yield from self.many(node.values, values)):
+                return False
+            return (yield from self.many(tuple(n for _, n in node.attrs), attr_values))
+        if type(node) is SeqNode:
+            if type(x) is not node.cls:
+                return False
+            items: tuple[Any, ...] = tuple(cast(Any, x))
+            if len(items) != len(node.items):
+                return False
+            return (yield from self.many(node.items, items))
+        return False  # pragma: no cover - an eligible plan holds no other node
+
+    def run(self, first: int, values: tuple[Any, ...]) -> Steps[bool]:
+        """Check a container's items that are all new tensors: the common case, kept to the
+        cost of reading each signature (~1 us a tensor)."""
+        signatures, sources = self.signatures, self.sources
+        for start in range(0, len(values), _RUN_CHUNK):
+            chunk = values[start : start + _RUN_CHUNK]
+            expected = signatures[first + start : first + start + len(chunk)]
+            if len(chunk) != len(expected):
+                return False
+            if not self.meta_only and self.guarded(first + start, chunk):
+                sources.extend(chunk)
+                if slice_over():
+                    yield
+                continue
+            # Not a tensor: AttributeError, caught by many().
+            got = tuple(map(tensor_signature, chunk))
+            if self.meta_only:  # release(): the staged copy's storages are checked apart
+                got, expected = tuple(g[_META] for g in got), tuple(e[_META] for e in expected)
+            if got != expected:
+                return False
+            for v in chunk:
+                if v.__dict__:
+                    return False
+            if not self.meta_only and _TensorGuards is not None:
+                self.guard(first + start, chunk, expected)
+            sources.extend(chunk)
+            if slice_over():
+                yield
+        return True
+
+    def guarded(self, position: int, chunk: tuple[Any, ...]) -> bool:
+        """Whether the chunk's guard passes it: a "no" only means "check it in full"."""
+        known = self.guards.get(position)
+        if known is None:
+            return False
+        guard, rest = known
+        try:
+            if not guard.check(*chunk):
+                return False
+        except TypeError:  # another count of values
+            return False
+        # What the guard does not see; `st` is bound before it is read (left to right).
+        got = tuple(
+            (v.storage_offset(), (st := v.untyped_storage())._cdata, st.nbytes(), not v.__dict__)
+            for v in chunk
+        )
+        return got == rest
+
+    def guard(self, position: int, chunk: tuple[Any, ...], expected: tuple[tuple[Any, ...], ...]) -> None:
+        """Give a chunk that just passed the full check a guard built from its tensors."""
+        guard = _TensorGuards(
+            *chunk,
+            dynamic_dims_sizes=[list(sig[2]) for sig in expected],
+            dynamic_dims_strides=[list(sig[3]) for sig in expected],
+        )
+        self.guards[position] = (guard, tuple((sig[4], sig[8], sig[9], True) for sig in expected))
+
+    def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
+        signatures, sources, append = self.signatures, self.sources, self.sources.append
+        first = self.runs.get(id(nodes))
+        if first is not None and first == len(sources) and len(values) == len(nodes):
+            try:
+                return (yield from self.run(first, values))
+            except Exception:  # a value the plan never saw
+                return False
+        Tensor = torch.Tensor
+        try:
+            for node, v in zip(nodes, values, strict=True):
+                cls = type(node)
+                if cls is TensorNode:
+                    p = node.position  # type: ignore[union-attr]
+                    n = len(sources)
+                    if p == n:
+                        if not isinstance(v, Tensor) or v.__dict__:
+                            return False
+                        got = tensor_signature(v)
+                        if self.meta_only:
+                            if got[_META] != signatures[p][_META]:
+                                return False
+                        elif got != signatures[p]:
+                            return False
+                        append(v)
+                    elif p > n or v is not sources[p]:  # the plan met this very tensor before
+                        return False
+                elif cls is AtomNode:
+                    if not _same_atom(node.value, v):  # type: ignore[union-attr]
+                        return False
+                elif not (yield from self.container(node, v)):
+                    return False
+                if slice_over():
+                    yield
+        except Exception:  # a value the plan never saw (a sparse tensor has no storage, ...)
+            return False
+        return True
+
+
+def iter_match(
+    fast: FastPlan, state_dict: Any, *, meta_only: bool = False
+) -> Steps[list[torch.Tensor] | None]:
+    """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
+
+    Checks everything the plan was derived from: container types, keys (in order, with
+    their types), lengths and non-tensor values; each tensor's :func:`tensor_signature`
+    (storage, dtype, shape, stride, offset, type, ``requires_grad``, conj/neg bits); that no
+    tensor carries attributes; and that the same tensor object, and only it, appears
+    wherever the plan met one tensor twice.  The cyclic collector stays paused while it
+    runs (see :mod:`astage._slices`) and it keeps no per-tensor objects.
+
+    :param meta_only: check every tensor but not which storage it views (for a staged
+        copy, whose storages are the caller's to check).
+    """
+    matcher = _Matcher(fast, meta_only)
+    ok = yield from matcher.many((fast.plan.root,), (state_dict,))
+    sources = matcher.sources
+    if not ok or len(sources) != len(fast.signatures):
+        return None
+    # A tensor object met at two positions the plan holds apart would be one in a new plan.
+    if len(set(map(id, sources))) != len(sources):
+        return None
+    return sources
