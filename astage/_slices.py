@@ -72,12 +72,17 @@ def _slice(steps: Steps[T]) -> tuple[bool, T | None]:
         _deadline.at = outer
 
 
-def drive(steps: Steps[T]) -> T:
-    """Run a :data:`Steps` computation to its end on the calling thread."""
+def drive(steps: Steps[T], between: Callable[[], object] | None = None) -> T:
+    """Run a :data:`Steps` computation to its end on the calling thread.
+
+    :param between: called between two slices (tests time the slices with it).
+    """
     while True:
         finished, value = _slice(steps)
         if finished:
             return value  # type: ignore[return-value]
+        if between is not None:
+            between()
 
 
 async def run_steps(steps: Steps[T]) -> T:

@@ -408,16 +408,15 @@ def test_a_plan_over_many_small_segments_covers_the_body_exactly_in_short_slices
     for at, t in segments:
         expected[at : at + t.numel()] = t
     for chunk_bytes in (4096, 1 << 20, 64 << 20):
-        steps = plan_chunks(segments, body_nbytes, chunk_bytes)
         slices: list[float] = []
         started = time.perf_counter()
-        try:
-            while True:
-                next(steps)
-                slices.append(time.perf_counter() - started)
-                started = time.perf_counter()
-        except StopIteration as done:
-            plan = done.value
+
+        def lap(slices: list[float] = slices) -> None:
+            nonlocal started
+            slices.append(time.perf_counter() - started)
+            started = time.perf_counter()
+
+        plan = drive(plan_chunks(segments, body_nbytes, chunk_bytes), between=lap)
         assert len(slices) >= 2
         assert sorted(slices)[len(slices) // 2] < 0.005
         got = torch.cat(
