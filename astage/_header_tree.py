@@ -14,6 +14,7 @@ import binascii
 import collections
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -53,6 +54,7 @@ from ._plan import (
 )
 from ._tensor_table import (
     _check_tensor_table,
+    _new_tuple,
     _numel_overflows,
     _storage_table,
     _Tables,
@@ -459,7 +461,9 @@ class _HeaderParser:
             segments, specs, notes = self.tables_v3(self.tables, body_nbytes, doc)
         else:
             segments, specs, notes = self.tables_v2(doc, body_nbytes)
-        plan = StagePlan(specs.root, specs.tensors, tuple(StorageSpec(s.nbytes, _CPU) for s in segments))
+        nbytes = [s.nbytes for s in segments]
+        storages = tuple(map(_new_tuple, repeat(StorageSpec), zip(nbytes, repeat(_CPU))))
+        plan = StagePlan(specs.root, specs.tensors, storages)
         return ReplicaHeader(
             owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
             holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
@@ -508,7 +512,7 @@ class _HeaderParser:
         paths = self.all_paths()
         segments = _storage_table(tables.storages, body_nbytes)
         columns = _check_tensor_table(tables, segments)
-        notes = self.dtensor_notes(doc["dtensors"], columns.kinds)
+        notes = self.dtensor_notes(doc["dtensors"], columns.records["kind"].tolist())
         specs = _tensor_specs(columns, paths)
         return segments, _Specs(root, specs), notes
 
@@ -678,25 +682,31 @@ class _HeaderParser:
         return node
 
     def children(self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int) -> tuple[Node, ...]:
-        # Tensor references are the bulk of a tree: checked inline, a key path made only for
-        # a tensor's first reference (the same checks as node()).
+        # Tensor references are the bulk of a tree: checked inline (the same checks as
+        # node()), a key path made only for a tensor's first reference, the budget kept in a
+        # local between nested calls, each node one tuple.__new__ (see _tensor_table).
         out: list[Node] = []
         append = out.append
         paths = self.paths
+        count = len(paths)
+        cost = _COST_PATH + 8 * (len(path) + 1)  # a child's key path: one key more
+        budget = self.budget
         for key, raw in zip(keys, raws, strict=True):
-            if (
-                type(raw) is list
-                and len(raw) == 2
-                and raw[0] == "tensor"
-                and type(raw[1]) is int
-                and 0 <= raw[1] < len(paths)
-            ):
-                if paths[raw[1]] is None:
-                    paths[raw[1]] = child = (*path, key)
-                    self.charge(_COST_PATH + 8 * len(child))
-                append(TensorNode(raw[1]))
-            else:
-                append(self.node(raw, (*path, key), depth + 1))
+            if type(raw) is list and len(raw) == 2 and raw[0] == "tensor" and type(raw[1]) is int:
+                index = raw[1]
+                if 0 <= index < count:
+                    if paths[index] is None:
+                        paths[index] = (*path, key)
+                        budget -= cost
+                        if budget < 0:
+                            self.budget = budget
+                            self.charge(0)  # raises
+                    append(_new_tuple(TensorNode, (index,)))
+                    continue
+            self.budget = budget
+            append(self.node(raw, (*path, key), depth + 1))
+            budget = self.budget
+        self.budget = budget
         return tuple(out)
 
     def attrs(self, raw: Any, path: KeyPath, depth: int) -> tuple[tuple[str, Node], ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from ._errors import KeyPath
 from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, _fail
 from ._limits import INT64 as _INT64
-from ._plan import TensorKind, TensorSpec
+from ._plan import StorageSpec, TensorKind, TensorNode, TensorSpec
 
 _COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
 
@@ -68,6 +69,31 @@ _KIND_CODE: Final = {
     TensorKind.NDARRAY: 2,
     TensorKind.DTENSOR: 0,
 }
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray[Any, Any]:
+    """A 1-D object array of ``values``: a code column indexes it to gather Python objects."""
+    out = np.empty(len(values), object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
+_CODE_DTYPE_OBJECTS: Final = _objects(_CODE_DTYPES)
+_KIND_OBJECTS: Final = _objects(_KIND_CODES)
+_new_tuple: Final = tuple.__new__
+"""Builds a NamedTuple from the complete tuple of its fields, skipping its Python-level
+``__new__``: a call a record is most of what a 20,000-tensor parse costs.  The fields
+given (here and in :mod:`astage._header_tree`) are checked against the classes below, so
+a field added to them fails at import."""
+if StorageSpec._fields != ("nbytes", "device") or TensorNode._fields != ("position",):
+    raise ImportError("astage._tensor_table builds StorageSpec and TensorNode records field by field")
+if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
+    *("key_path", "storage", "dtype", "size", "stride", "offset", "kind", "requires_grad"),
+    *("conj", "neg", "attrs", "dtensor_spec"),
+):
+    raise ImportError("astage._tensor_table builds Segment and TensorSpec records field by field")
+
 _EXACT_LIMIT: Final = 1 << 20
 """Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
 are all below this (no sum can overflow); the others, rare, are checked one by one."""
@@ -127,16 +153,15 @@ def _split_tables(raw: bytes) -> _Tables:
 
 
 class _Columns(NamedTuple):
-    """A validated tensor table as Python lists, one per column (``tolist`` is one C call)."""
+    """A validated tensor table: its records and dims array, and the int64 columns derived
+    from them (``starts``: where each tensor's sizes begin in ``dims``)."""
 
-    storages: list[int]
-    codes: list[int]
-    ndims: list[int]
-    starts: list[int]
-    offsets: list[int]
-    kinds: list[int]
-    flags: list[int]
-    dims: list[int]
+    records: np.ndarray[Any, Any]
+    dims: np.ndarray[Any, Any]
+    storage: np.ndarray[Any, Any]
+    code: np.ndarray[Any, Any]
+    ndim: np.ndarray[Any, Any]
+    starts: np.ndarray[Any, Any]
 
 
 def _first(bad: np.ndarray[Any, Any]) -> int:
@@ -168,7 +193,7 @@ def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Seg
     if end != body_nbytes:
         raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
     columns = zip(offsets.tolist(), nbytes.tolist(), records["crc32c"].tolist(), strict=True)
-    return tuple(map(Segment._make, columns))
+    return tuple(map(_new_tuple, repeat(Segment), columns))
 
 
 def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Columns:
@@ -184,16 +209,7 @@ def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Column
     large = _check_extents(records, starts, dims, segments)
     if len(segments) and (np.bincount(storage, minlength=len(segments)) == 0).any():
         raise _fail("storages", "a storage is not referenced by any tensor")
-    columns = _Columns(
-        storage.tolist(),
-        code.tolist(),
-        ndim.tolist(),
-        starts.tolist(),
-        records["offset"].tolist(),
-        records["kind"].tolist(),
-        records["flags"].tolist(),
-        dims.tolist(),
-    )
+    columns = _Columns(records, dims, storage, code, ndim, starts)
     for i in np.flatnonzero(large).tolist():
         _check_extent(columns, i, segments)
     return columns
@@ -290,45 +306,61 @@ def _numel_overflows(size: Sequence[int]) -> bool:
 
 def _check_extent(columns: _Columns, i: int, segments: Sequence[Segment]) -> None:
     """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
-    start, ndim = columns.starts[i], columns.ndims[i]
-    size = columns.dims[start : start + ndim]
-    stride = columns.dims[start + ndim : start + 2 * ndim]
+    start, ndim = int(columns.starts[i]), int(columns.ndim[i])
+    size = columns.dims[start : start + ndim].tolist()
+    stride = columns.dims[start + ndim : start + 2 * ndim].tolist()
     where = f"tensors[{i}]"
     if _numel_overflows(size):
         raise _fail(where, f"shape {size} has too many elements")
     if 0 in size:
         return
-    last = columns.offsets[i] + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
-    nbytes = segments[columns.storages[i]].nbytes
-    if last >= _INT64 or (last + 1) * _CODE_DTYPES[columns.codes[i]].itemsize > nbytes:
+    last = int(columns.records["offset"][i]) + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    nbytes = segments[int(columns.storage[i])].nbytes
+    if last >= _INT64 or (last + 1) * _CODE_DTYPES[int(columns.code[i])].itemsize > nbytes:
         raise _fail(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
 
 
 def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSpec, ...]:
-    """The checked tensor table as plan records, with the key paths the tree gave them."""
-    dims = columns.dims
-    return tuple(
-        TensorSpec(
-            path,
-            storage,
-            _CODE_DTYPES[code],
-            tuple(dims[start : start + ndim]),
-            tuple(dims[start + ndim : start + 2 * ndim]),
-            offset,
-            _KIND_CODES[kind],
-            flags & FLAG_REQUIRES_GRAD != 0,
-            flags & FLAG_CONJ != 0,
-            flags & FLAG_NEG != 0,
-        )
-        for path, storage, code, ndim, start, offset, kind, flags in zip(
-            paths,
-            columns.storages,
-            columns.codes,
-            columns.ndims,
-            columns.starts,
-            columns.offsets,
-            columns.kinds,
-            columns.flags,
-            strict=True,
-        )
+    """The checked tensor table as plan records, with the key paths the tree gave them.
+
+    Column by column: each field is one numpy ``tolist`` (or an object-array gather), and
+    each record one ``tuple.__new__``; a Python call a tensor would cost more than the
+    rest of the parse (headers of 20,000 tensors are parsed).
+    """
+    flags = columns.records["flags"]
+    sizes, strides = _shapes(columns)
+    fields = zip(
+        paths,
+        columns.storage.tolist(),
+        _CODE_DTYPE_OBJECTS[columns.code].tolist(),
+        sizes,
+        strides,
+        columns.records["offset"].tolist(),
+        _KIND_OBJECTS[columns.records["kind"]].tolist(),
+        (flags & FLAG_REQUIRES_GRAD != 0).tolist(),
+        (flags & FLAG_CONJ != 0).tolist(),
+        (flags & FLAG_NEG != 0).tolist(),
+        repeat(None),  # attrs: a replica holds none
+        repeat(None),  # dtensor_spec: DTensors come back as their local tensor
+        strict=False,  # the repeats are endless; paths and the columns have one a tensor
     )
+    return tuple(map(_new_tuple, repeat(TensorSpec), fields))
+
+
+def _shapes(columns: _Columns) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Every tensor's size and stride tuples, gathered a dimension count at a time (the
+    tuples are made by ``zip`` over the columns of one count's block of dims)."""
+    count = len(columns.ndim)
+    ndims = np.unique(columns.ndim).tolist()
+    sizes = np.empty(count, object)
+    strides = np.empty(count, object)
+    for ndim in ndims:
+        which = np.flatnonzero(columns.ndim == ndim) if len(ndims) > 1 else np.arange(count)
+        block = columns.dims[columns.starts[which, None] + np.arange(2 * ndim)].T.tolist()
+        size_rows = zip(*block[:ndim], strict=True) if ndim else repeat((), len(which))
+        stride_rows = zip(*block[ndim:], strict=True) if ndim else repeat((), len(which))
+        if len(ndims) == 1:
+            return list(size_rows), list(stride_rows)
+        sizes[which] = np.fromiter(size_rows, object, len(which))
+        strides[which] = np.fromiter(stride_rows, object, len(which))
+    return sizes.tolist(), strides.tolist()

@@ -43,6 +43,8 @@ from astage._format import (
     prefix_nbytes,
     verify_body,
 )
+from astage._parse_bound import _parse_budget, _table_cost
+from astage._tensor_table import _split_tables
 from tests.statedicts import random_tensor, rich_state_dict, storage_key, tensors_of
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -1028,6 +1030,25 @@ def test_an_unpadded_dense_header_is_refused_before_parsing() -> None:
     with pytest.raises(astage.IntegrityError, match="too dense"):
         parse_prefix(_forge_version(header.rstrip(b" "), FORMAT_VERSION))
     assert parse_prefix(_forge_version(header, FORMAT_VERSION)).num_tensors == 0  # the padded one is fine
+
+
+def test_key_paths_are_charged_as_the_parse_meets_them() -> None:
+    # Padding that covers the header's tokens and tables but not its tensors' key paths
+    # (long here: 300 tensors 100 containers deep) passes the check before parsing; the
+    # walk must then stop on the paths' charge.
+    encoded = encode(_deep(300, 100), owner_rank=0, step=0, checkpoint_id="paths")
+    header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
+    header = encoded.prefix[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len].rstrip(b" ")
+    spaces = 0
+    while True:
+        tables = _split_tables(header + b" " * spaces)
+        text = (header + b" " * spaces)[tables.nbytes :]
+        if _parse_budget(len(header) + spaces, text, FORMAT_VERSION, _table_cost(*tables.counts)) >= 0:
+            break
+        spaces += 1024
+    with pytest.raises(astage.IntegrityError, match="too dense"):
+        parse_prefix(_forge_version(header + b" " * spaces, FORMAT_VERSION))
+    assert parse_prefix(encoded.prefix).num_tensors == 300
 
 
 @pytest.mark.parametrize("version", [2, 3])
