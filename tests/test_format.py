@@ -583,6 +583,31 @@ def test_a_streamed_body_with_a_bit_flip_anywhere_is_rejected(piece: int) -> Non
             _streamed(bytes(damaged), piece)
 
 
+def _verdict(check: Callable[[], None]) -> str:
+    try:
+        check()
+    except astage.IntegrityError as exc:
+        return str(exc)
+    return "ok"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=0, max_size=3))
+def test_a_whole_body_is_judged_as_a_streamed_one(flips: list[tuple[int, int]]) -> None:
+    # verify_body checks all gaps at once; its verdict, first fault first, must be the
+    # streaming verifier's (a gap before a storage is checked before that storage's crc).
+    state = {f"t{i}": torch.arange(i % 5 + 1, dtype=torch.int8) for i in range(40)}
+    data = bytearray(replica_bytes(state))
+    header = parse_prefix(bytes(data))
+    damage = {at % header.body_nbytes: mask for at, mask in flips}  # distinct bytes, each changed
+    for at, mask in damage.items():
+        data[header.prefix_nbytes + at] ^= mask
+    body = torch.frombuffer(data[header.prefix_nbytes :], dtype=torch.uint8)
+    whole = _verdict(lambda: verify_body(header, body))
+    assert whole == _verdict(lambda: _streamed(bytes(data), 1 << 20))
+    assert (whole == "ok") == (not flips)
+
+
 def test_a_streamed_body_of_the_wrong_length_is_rejected() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="longer"):
