@@ -82,7 +82,7 @@ from ._header_tree import _HeaderParser, _reject_constant, _TreeEncoder, _unique
 from ._limits import CHUNK_BYTES
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
-from ._parse_bound import _padded, _parse_budget, _parse_cost, _table_cost, _unpadded_len
+from ._parse_bound import _padding, _parse_budget, _parse_cost, _table_cost, _unpadded_len
 from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner, rebuild
 from ._slices import drive
 from ._tensor_table import _COUNTS, _split_tables, _tensor_table
@@ -145,7 +145,8 @@ class Encoded:
     def buffers(self, chunk_nbytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
         """The whole replica, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
 
-        Views alias the staged storages: they stay valid while those are not changed.
+        Views alias the staged storages: they stay valid while those are not changed and
+        this object lives (it holds the storages; the views may not).
         """
         if chunk_nbytes <= 0:
             raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
@@ -206,19 +207,28 @@ class _StorageSegments(Sequence[tuple[int, torch.Tensor]]):
         return iter(self._pairs())
 
     def byte_views(self) -> Iterator[tuple[int, memoryview]]:
-        """``(offset, bytes)`` a storage, without making tensors."""
+        """``(offset, bytes)`` a storage, without making tensors; the views are valid while
+        this object (which holds the storages) lives."""
         for offset, storage in zip(self.offsets, self.storages, strict=True):
-            yield offset, memoryview(_storage_array(storage)).cast("B")
+            yield offset, _storage_view(storage)
 
 
-def _storage_array(storage: torch.UntypedStorage) -> ctypes.Array[ctypes.c_ubyte]:
-    """A ctypes array over ``storage``'s bytes that keeps ``storage`` alive.
+_memory_view: Final = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+_PYBUF_READ: Final = 0x100
+_EMPTY: Final = memoryview(b"")
 
-    A fifth of the cost of a numpy view: what checksums and file writes read.
+
+def _storage_view(storage: torch.UntypedStorage) -> memoryview:
+    """A read-only memoryview of ``storage``'s bytes, which does not hold ``storage``: the
+    caller does, for as long as the view is used.
+
+    One object, made in C: a tensor and a numpy view cost several times more, and a ctypes
+    array leaves cyclic garbage (four objects a call) that the collector must sweep later.
     """
-    array = (ctypes.c_ubyte * storage.nbytes()).from_address(storage.data_ptr())
-    vars(array)["storage"] = storage  # whoever holds the bytes holds the storage
-    return array
+    nbytes = storage.nbytes()
+    return _memory_view(storage.data_ptr(), nbytes, _PYBUF_READ) if nbytes else _EMPTY
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -270,31 +280,24 @@ class ReplicaLayout:
 
         CPU-bound, releases the GIL on large buffers; async callers run it in a worker thread.
         """
-        # ctypes views for the checksums: a fifth of the cost of numpy ones, and the storages
-        # outlive them (self holds them).
-        array, checksum = ctypes.c_ubyte, crc32c.crc32c
-        crcs = tuple(
-            checksum((array * nbytes).from_address(storage.data_ptr()))
-            for storage, nbytes in zip(self.storages, self.nbytes, strict=True)
-        )
+        crcs = tuple(map(crc32c.crc32c, map(_storage_view, self.storages)))
         segments = _StorageSegments(self.offsets, self.storages)
         return Encoded(self.prefix(crcs), segments, self.body_nbytes, self, crcs)
 
     def prefix(self, crcs: Sequence[int]) -> bytes:
         """Everything before the body, with these storage checksums."""
-        return _prefix_bytes(self.header(crcs))
+        parts, spaces = self.header_parts(crcs)
+        return _join_prefix([*parts, b" " * spaces])
 
-    def header(self, crcs: Sequence[int]) -> bytes:
-        """The header (tables and JSON) with these storage checksums, padded (:func:`_padded`)."""
+    def header_parts(self, crcs: Sequence[int]) -> tuple[list[bytes], int]:
+        """The header's pieces (tables, then JSON) with these storage checksums, and the
+        number of spaces that pad it (:func:`_padding`): joined once, in the prefix, for a
+        header that is mostly padding on many small tensors."""
         storages = np.zeros(len(self.offsets), STORAGE_RECORD)
         storages["offset"] = self.offsets
         storages["nbytes"] = self.nbytes
         storages["crc32c"] = crcs
-        binary = (
-            _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
-            + self.tables
-            + storages.tobytes()
-        )
+        counts = _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
         meta = {
             "format": FORMAT_VERSION,
             "owner_rank": self.owner_rank,
@@ -307,7 +310,8 @@ class ReplicaLayout:
         head = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         text = f"{head[:-1]},{self.tree_json}}}".encode("ascii")
         charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
-        return binary + _padded(text, len(binary), charged)
+        binary = [counts, self.tables, storages.tobytes()]
+        return [*binary, text], _padding(text, sum(map(len, binary)), charged)
 
 
 @without_gc
@@ -369,7 +373,8 @@ def lay_out(
     # The longest header the metadata can make (the widest holder rank; checksums are
     # fixed-size), so that encode() and relabel() cannot fail on the cap later.
     widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
-    _check_header_len(len(widest.header([0] * len(offsets))))
+    parts, spaces = widest.header_parts([0] * len(offsets))
+    _check_header_len(sum(map(len, parts)) + spaces)
     return layout
 
 
@@ -475,10 +480,19 @@ def _check_header_len(nbytes: int) -> None:
 
 
 def _prefix_bytes(header: bytes) -> bytes:
-    _check_header_len(len(header))
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(header)) + header
-    head += _CRC.pack(crc32c.crc32c(head))
-    return head + bytes(_align(len(head)) - len(head))
+    return _join_prefix([header])
+
+
+def _join_prefix(header: Sequence[bytes]) -> bytes:
+    """The prefix around a header given in pieces: one copy of each, checksummed in place."""
+    nbytes = sum(map(len, header))
+    _check_header_len(nbytes)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, nbytes)
+    crc = crc32c.crc32c(fixed)
+    for part in header:
+        crc = crc32c.crc32c(part, crc)
+    end = FIXED_PREFIX_NBYTES + nbytes + _CRC.size
+    return b"".join([fixed, *header, _CRC.pack(crc), bytes(_align(end) - end)])
 
 
 # -- decoding -----------------------------------------------------------------------------

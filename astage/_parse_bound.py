@@ -87,12 +87,12 @@ def _parse_budget(header_len: int, text: bytes, version: int, table_cost: int = 
     return factor * header_len + PARSE_SLACK - _parse_cost(text) - table_cost
 
 
-def _padded(text: bytes, binary_len: int, charged: int) -> bytes:
-    """JSON ``text`` with the trailing spaces that make its header fit :data:`PARSE_AMPLIFICATION`.
+def _padding(text: bytes, binary_len: int, charged: int) -> int:
+    """How many trailing spaces make a header with JSON ``text`` fit :data:`PARSE_AMPLIFICATION`.
 
     A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
     ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
     what the tables and the tree's structure cost beyond the text's tokens.
     """
     short = -_parse_budget(binary_len + len(text), text, FORMAT_VERSION) + charged
-    return text + b" " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
+    return max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
