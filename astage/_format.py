@@ -370,12 +370,16 @@ def lay_out(
         body_nbytes=end,
         charged=tree_encoder.charged,
     )
-    # The longest header the metadata can make (the widest holder rank; checksums are
-    # fixed-size), so that encode() and relabel() cannot fail on the cap later.
-    widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
-    parts, spaces = widest.header_parts([0] * len(offsets))
-    _check_header_len(sum(map(len, parts)) + spaces)
+    _check_widest_header(layout)
     return layout
+
+
+def _check_widest_header(layout: ReplicaLayout) -> None:
+    """Check the longest header ``layout``'s metadata can make (the widest ranks; checksums
+    are fixed-size) against the cap, so that encode() and relabel() cannot fail on it later."""
+    widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
+    parts, spaces = widest.header_parts([0] * len(layout.offsets))
+    _check_header_len(sum(map(len, parts)) + spaces)
 
 
 class ReplicaMeta(TypedDict):

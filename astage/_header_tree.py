@@ -91,6 +91,9 @@ _V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "n
 _DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 _NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _SCALARS: Final = (type(None), bool, int, float, str)
+_VERBATIM: Final = frozenset({type(None), bool, str})
+"""Leaf and key types whose JSON form is the value itself, unchecked (ints and floats have
+limits and non-finite forms)."""
 _NAN_KEY: Final = ["float", "nan"]
 _CPU: Final = torch.device("cpu")
 
@@ -195,14 +198,7 @@ class _TreeEncoder:
                         f"{type(proto).__qualname__} cannot be stored in a replica (only dict, OrderedDict)",
                     )
                 self._check_depth(path, depth)
-                json_keys = []
-                for key in keys:
-                    try:
-                        json_keys.append(_scalar(key))
-                    except (TypeError, ValueError) as exc:
-                        raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
-                if json_keys.count(_NAN_KEY) > 1:
-                    raise UnsupportedInputError(path, "several NaN dict keys would read back as one")
+                json_keys = self._keys(keys, path)
                 json_values = self.children(keys, values, path, depth)
                 json_attrs = {}
                 for name, value in attrs:
@@ -259,6 +255,21 @@ class _TreeEncoder:
             else:
                 append(self.node(child, (*path, key), depth + 1))
         return out
+
+    @staticmethod
+    def _keys(keys: Sequence[Any], path: KeyPath) -> list[Any]:
+        # Keys of the types JSON holds as they are (str above all) need no per-key call.
+        if set(map(type, keys)) <= _VERBATIM:
+            return list(keys)
+        json_keys = []
+        for key in keys:
+            try:
+                json_keys.append(_scalar(key))
+            except (TypeError, ValueError) as exc:
+                raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
+        if json_keys.count(_NAN_KEY) > 1:
+            raise UnsupportedInputError(path, "several NaN dict keys would read back as one")
+        return json_keys
 
     def _done(self, memo: int) -> None:
         self.memo[memo] = len(self.memo)
@@ -658,7 +669,9 @@ class _HeaderParser:
         node: Node
         if tag in ("dict", "odict"):
             _, keys, values, *more = _list(raw, where, 4 if tag == "odict" and len(raw) == 4 else 3)
-            keys = [self.scalar(k, path) for k in _list(keys, where)]
+            keys = _list(keys, where)
+            if not set(map(type, keys)) <= _VERBATIM:  # else each is a JSON scalar as it is
+                keys = [self.scalar(k, path) for k in keys]
             values = _list(values, where, len(keys))
             if len(dict.fromkeys(keys)) != len(keys):
                 raise _fail(where, "duplicate dict key")
