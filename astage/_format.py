@@ -541,10 +541,10 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         raise IntegrityError("header checksum mismatch")
     if any(view[header_end + _CRC.size : total]):
         raise IntegrityError("non-zero bytes in the prefix padding")
-    raw = bytes(view[FIXED_PREFIX_NBYTES:header_end])
+    # Views, not copies: most of a many-tensor header is padding, which is only counted.
+    raw = view[FIXED_PREFIX_NBYTES:header_end]
     tables = _split_tables(raw) if version >= 3 else None
-    json_start = 0 if tables is None else tables.nbytes
-    json_raw = raw[json_start:]  # the same object before version 3
+    json_raw = raw[0 if tables is None else tables.nbytes :]
     table_cost = 0 if tables is None else _table_cost(*tables.counts)
     budget = _parse_budget(header_len, json_raw, version, table_cost)
     if budget < 0:
@@ -555,7 +555,7 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         )
     try:
         # Without the padding, which json.loads would only skip.
-        text = str(memoryview(json_raw)[: _unpadded_len(json_raw)], "ascii")
+        text = str(json_raw[: _unpadded_len(json_raw)], "ascii")
     except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
         raise IntegrityError(f"header is not ASCII: {exc}") from exc
     del raw, json_raw

@@ -36,7 +36,7 @@ _DIGITS: Final = b"0123456789"
 _SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
 
 
-def _parse_cost(raw: bytes) -> int:
+def _parse_cost(raw: bytes | memoryview) -> int:
     """An upper bound on what :func:`parse_prefix` allocates to parse header bytes ``raw``.
 
     Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
@@ -48,7 +48,7 @@ def _parse_cost(raw: bytes) -> int:
     the encoder counts them the same way (:class:`_TreeEncoder`).
     """
     unpadded = _unpadded_len(raw)
-    text = raw[:unpadded]  # the padding holds no tokens: not scanned six times over
+    text = bytes(raw[:unpadded])  # the padding holds no tokens: not scanned (or copied)
     values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
     digits = len(text) - len(text.translate(None, _DIGITS))
     return (
@@ -61,7 +61,7 @@ def _parse_cost(raw: bytes) -> int:
     )
 
 
-def _unpadded_len(raw: bytes) -> int:
+def _unpadded_len(raw: bytes | memoryview) -> int:
     """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes."""
     end = len(raw)
     while end:
@@ -78,7 +78,7 @@ def _table_cost(tensors: int, dims: int, storages: int) -> int:
     return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
 
 
-def _parse_budget(header_len: int, text: bytes, version: int, table_cost: int = 0) -> int:
+def _parse_budget(header_len: int, text: bytes | memoryview, version: int, table_cost: int = 0) -> int:
     """What is left for the structure-dependent charges; negative: refuse the header.
 
     ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3).

@@ -132,7 +132,7 @@ class _Tables(NamedTuple):
         return len(self.tensors), len(self.dims), len(self.storages)
 
 
-def _split_tables(raw: bytes) -> _Tables:
+def _split_tables(raw: bytes | memoryview) -> _Tables:
     """The tables at the start of a version-3 header; their sizes checked against ``raw``."""
     if len(raw) < _COUNTS.size:
         raise _fail("tables", f"{len(raw)} bytes, the table counts alone take {_COUNTS.size}")
