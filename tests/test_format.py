@@ -44,6 +44,7 @@ from astage._format import (
     verify_body,
 )
 from astage._parse_bound import _parse_budget, _table_cost
+from astage._plan import DictNode
 from astage._tensor_table import _split_tables
 from tests.statedicts import random_tensor, rich_state_dict, storage_key, tensors_of
 
@@ -704,6 +705,10 @@ def _with_attrs(tag: str, attrs: Any) -> dict[str, Any]:
     return doc
 
 
+def _refs(*refs: Any) -> list[Any]:
+    return ["dict", [f"k{i}" for i in range(len(refs))], list(refs)]
+
+
 _HOSTILE = {
     "unknown key": {**_doc(), "extra": 1},
     "missing key": {k: v for k, v in _doc().items() if k != "step"},
@@ -760,6 +765,14 @@ _HOSTILE = {
     "attribute not a name": _with_attrs("odict", {"a b": 1}),
     "empty attributes": _with_attrs("odict", {}),
     "attributes as a list": _with_attrs("odict", [["a", 1]]),
+    # A container of tensor references is checked in bulk when every one is fresh; each of
+    # these must fall back to the per-child checks and be refused there.
+    "tensor refs, one repeated, one missing": _mutate(("tree",), _refs(["tensor", 0], ["tensor", 0])),
+    "tensor ref by a bool": _mutate(("tree",), _refs(["tensor", True], ["tensor", 1])),
+    "tensor ref out of range": _mutate(("tree",), _refs(["tensor", 0], ["tensor", 2])),
+    "tensor ref negative": _mutate(("tree",), _refs(["tensor", -1], ["tensor", 1])),
+    "tensor ref with an unhashable tag": _mutate(("tree",), _refs([["tensor"], 0], ["tensor", 1])),
+    "tensor ref of three": _mutate(("tree",), _refs(["tensor", 0, 0], ["tensor", 1])),
 }
 
 
@@ -770,6 +783,17 @@ def _deep(depth: int) -> dict[str, Any]:
     doc = _doc()
     doc["tree"][2][1] = tree
     return doc
+
+
+def test_a_container_of_tensor_references_parses_in_bulk_or_not_alike() -> None:
+    fresh = parse_prefix(_forge(json.dumps(_mutate(("tree",), _refs(["tensor", 1], ["tensor", 0]))).encode()))
+    assert [spec.key_path for spec in fresh.plan.tensors] == [("k1",), ("k0",)]
+    repeated = _mutate(("tree",), _refs(["tensor", 0], ["tensor", 1], ["tensor", 0]))
+    header = parse_prefix(_forge(json.dumps(repeated).encode()))
+    assert [spec.key_path for spec in header.plan.tensors] == [("k0",), ("k1",)]
+    root = header.plan.root
+    assert isinstance(root, DictNode)
+    assert [node.position for node in root.values] == [0, 1, 0]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("doc", list(_HOSTILE.values()), ids=list(_HOSTILE))
