@@ -473,8 +473,11 @@ class _HeaderParser:
             segments, specs, notes = self.tables_v3(self.tables, body_nbytes, doc)
         else:
             segments, specs, notes = self.tables_v2(doc, body_nbytes)
-        nbytes = [s.nbytes for s in segments]
-        storages = tuple(map(_new_tuple, repeat(StorageSpec), zip(nbytes, repeat(_CPU))))
+        # Equal specs shared, like equal shapes (see _tensor_table._shapes).
+        shared: dict[int, StorageSpec] = {}
+        for nbytes in {s.nbytes for s in segments}:
+            shared[nbytes] = StorageSpec(nbytes, _CPU)
+        storages = tuple(map(shared.__getitem__, [s.nbytes for s in segments]))
         plan = StagePlan(specs.root, specs.tensors, storages)
         return ReplicaHeader(
             owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),

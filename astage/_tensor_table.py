@@ -22,7 +22,7 @@ import numpy as np
 from ._errors import KeyPath
 from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, _fail
 from ._limits import INT64 as _INT64
-from ._plan import StorageSpec, TensorKind, TensorNode, TensorSpec
+from ._plan import TensorKind, TensorNode, TensorSpec
 
 _COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
 
@@ -86,8 +86,8 @@ _new_tuple: Final = tuple.__new__
 ``__new__``: a call a record is most of what a 20,000-tensor parse costs.  The fields
 given (here and in :mod:`astage._header_tree`) are checked against the classes below, so
 a field added to them fails at import."""
-if StorageSpec._fields != ("nbytes", "device") or TensorNode._fields != ("position",):
-    raise ImportError("astage._tensor_table builds StorageSpec and TensorNode records field by field")
+if TensorNode._fields != ("position",):
+    raise ImportError("astage._header_tree builds TensorNode records field by field")
 if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
     *("key_path", "storage", "dtype", "size", "stride", "offset", "kind", "requires_grad"),
     *("conj", "neg", "attrs", "dtensor_spec"),
@@ -353,18 +353,27 @@ def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSp
 
 def _shapes(columns: _Columns) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Every tensor's size and stride tuples, gathered a dimension count at a time (the
-    tuples are made by ``zip`` over the columns of one count's block of dims)."""
+    tuples are made by ``zip`` over the columns of one count's block of dims).
+
+    Equal tuples are shared (most tensors of a model have one of a few shapes, and nearly
+    all contiguous 1-D ones the stride ``(1,)``): fewer objects for the collector to walk
+    once the parse is over, and less memory.
+    """
     count = len(columns.ndim)
     ndims = np.unique(columns.ndim).tolist()
+    known: dict[tuple[int, ...], tuple[int, ...]] = {}
+    shared = known.setdefault
     sizes = np.empty(count, object)
     strides = np.empty(count, object)
     for ndim in ndims:
         which = np.flatnonzero(columns.ndim == ndim) if len(ndims) > 1 else np.arange(count)
         block = columns.dims[columns.starts[which, None] + np.arange(2 * ndim)].T.tolist()
-        size_rows = zip(*block[:ndim], strict=True) if ndim else repeat((), len(which))
-        stride_rows = zip(*block[ndim:], strict=True) if ndim else repeat((), len(which))
+        size_rows = list(zip(*block[:ndim], strict=True)) if ndim else [()] * len(which)
+        stride_rows = list(zip(*block[ndim:], strict=True)) if ndim else [()] * len(which)
+        size_rows = list(map(shared, size_rows, size_rows))
+        stride_rows = list(map(shared, stride_rows, stride_rows))
         if len(ndims) == 1:
-            return list(size_rows), list(stride_rows)
+            return size_rows, stride_rows
         sizes[which] = np.fromiter(size_rows, object, len(which))
         strides[which] = np.fromiter(stride_rows, object, len(which))
     return sizes.tolist(), strides.tolist()
