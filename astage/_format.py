@@ -15,8 +15,13 @@ records, one per tensor and one per storage) and how to rebuild the tree (JSON t
 to tensors by index).  Versions 1 and 2 kept the tables in the JSON; they are still read.
 See ``docs/format.md`` for the schema.
 
-This module touches no file, socket or thread; it turns a staged tree into
-:class:`Encoded` (a prefix plus byte ranges) and a prefix plus body back into a tree.
+This module is the format's façade: it turns a staged tree into :class:`Encoded` (a prefix
+plus byte ranges) and a prefix plus body back into a tree, and checks the prefix and the
+body.  It touches no file, socket or thread.  The parts live beside it:
+:mod:`astage._format_spec` (version, limits, allow-lists, header records),
+:mod:`astage._tensor_table` (the binary tables), :mod:`astage._header_tree` (the JSON tree
+and the header parser) and :mod:`astage._parse_bound` (the parse allocation bound); the
+names other modules use are re-exported here.
 
 Invariants:
 
@@ -39,8 +44,6 @@ Invariants:
 
 from __future__ import annotations
 
-import binascii
-import collections
 import ctypes
 import dataclasses
 import functools
@@ -49,253 +52,47 @@ import json
 import math
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any, Final, NotRequired, TypedDict, Unpack, overload
 
 import crc32c
 import numpy as np
 import torch
 
-from ._errors import Attr, ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError, format_key_path
+from ._errors import ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError
+from ._format_spec import _ID_CAP, _NUMPY_NAMES, _align
+from ._format_spec import ALIGNMENT as ALIGNMENT
+from ._format_spec import DTYPES as DTYPES
+from ._format_spec import FIXED_PREFIX_NBYTES as FIXED_PREFIX_NBYTES
+from ._format_spec import FORMAT_VERSION as FORMAT_VERSION
+from ._format_spec import HEADER_CAP as HEADER_CAP
+from ._format_spec import LEGACY_PARSE_AMPLIFICATION as LEGACY_PARSE_AMPLIFICATION
+from ._format_spec import MAGIC as MAGIC
+from ._format_spec import MAX_DEPTH as MAX_DEPTH
+from ._format_spec import MAX_NDIM as MAX_NDIM
+from ._format_spec import NUMPY_DTYPES as NUMPY_DTYPES
+from ._format_spec import PARSE_AMPLIFICATION as PARSE_AMPLIFICATION
+from ._format_spec import PARSE_SLACK as PARSE_SLACK
+from ._format_spec import READ_VERSIONS as READ_VERSIONS
+from ._format_spec import DTensorNote as DTensorNote
+from ._format_spec import ReplicaHeader as ReplicaHeader
+from ._format_spec import Segment as Segment
 from ._gc import without_gc
+from ._header_tree import _HeaderParser, _reject_constant, _TreeEncoder, _unique_keys
 from ._limits import CHUNK_BYTES
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
-from ._plan import (
-    AtomNode,
-    CopyNode,
-    DictNode,
-    Node,
-    ObjectNode,
-    RefNode,
-    SeqNode,
-    StagePlan,
-    StorageSpec,
-    TensorKind,
-    TensorNode,
-    TensorSpec,
-    _Planner,
-)
+from ._parse_bound import _padding, _parse_budget, _parse_cost, _table_cost, _unpadded_len
+from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from ._rebuild import rebuild
 from ._slices import drive
-
-MAGIC: Final = b"ASTAGE\x00R"
-"""First 8 bytes of every replica."""
-
-FORMAT_VERSION: Final = 3
-"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
-version 3 the binary tensor and storage tables)."""
-
-READ_VERSIONS: Final = frozenset({1, 2, 3})
-"""The versions this module reads.  The binary version sets the parse bound
-(:data:`PARSE_AMPLIFICATION`: version 2 and 3 headers are padded to it where needed) and the
-header's layout (3: binary tables); in versions 1 and 2 the header's ``format`` field says
-which nodes may appear: a format-1 header may use only format-1 nodes."""
-
-ALIGNMENT: Final = 64
-"""Prefix length and every body segment offset are multiples of this."""
-
-HEADER_CAP: Final = 64 << 20
-"""Largest header JSON accepted (and produced), checked before anything is allocated."""
-
-FIXED_PREFIX_NBYTES: Final = 20
-"""Magic, version and header length: what must be read first to learn the prefix length."""
-
-PARSE_AMPLIFICATION: Final = 4
-"""Parsing a format-2 header allocates at most this many times its length (plus
-:data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
-encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
-
-LEGACY_PARSE_AMPLIFICATION: Final = 64
-"""The same bound for version-1 headers, which were written unpadded: old files must stay
-readable, and a valid one can count up to 48 (a long list of single-digit ints; it needs
-about 37 times its length in fact)."""
-
-PARSE_SLACK: Final = 256 << 10
-"""Fixed allowance on top of the amplification bound: frames, small tables."""
-
-MAX_DEPTH: Final = 128
-"""Deepest container nesting accepted in the tree."""
-
-MAX_NDIM: Final = 64
-"""Most dimensions accepted for one tensor."""
+from ._tensor_table import _COUNTS, _split_tables, _tensor_table
+from ._tensor_table import STORAGE_RECORD as STORAGE_RECORD
+from ._tensor_table import TENSOR_RECORD as TENSOR_RECORD
 
 _FIXED = struct.Struct("<8sIQ")
-_COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
 _CRC = struct.Struct("<I")
 _ZEROS = bytes(ALIGNMENT)
-_ID_CAP = 4096
-_INT_BITS_CAP = 13_000  # below CPython's 4300-digit int/str conversion limit
-
-DTYPES: Final[Mapping[str, torch.dtype]] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
-    "float8_e5m2": torch.float8_e5m2,
-    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-    "float8_e8m0fnu": torch.float8_e8m0fnu,
-    "float4_e2m1fn_x2": torch.float4_e2m1fn_x2,
-}
-"""The dtype allow-list: header names to torch dtypes.  Nothing else is read or written."""
-
-NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
-    name: np.dtype(name)
-    for name in (
-        *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
-        *("float16", "float32", "float64", "complex64", "complex128"),
-    )
-}
-"""numpy dtypes of the arrays and scalars a replica holds (each is also a torch dtype)."""
-
-_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
-    **DTYPES,
-    **{
-        name: getattr(torch, name)
-        for name in (
-            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
-            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
-            *(f"int{n}" for n in range(1, 8)),
-            *(f"uint{n}" for n in range(1, 8)),
-        )
-        if isinstance(getattr(torch, name, None), torch.dtype)
-    },
-}
-"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
-object is only a name."""
-
-DTYPE_CODES: Final[tuple[str, ...]] = tuple(DTYPES)
-"""Version 3's dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
-only: a code once written means that dtype forever."""
-
-TENSOR_RECORD: Final = np.dtype(
-    [
-        ("storage", "<u4"),
-        ("dtype", "u1"),
-        ("ndim", "u1"),
-        ("kind", "u1"),
-        ("flags", "u1"),
-        ("offset", "<i8"),
-    ]
-)
-"""One tensor of a version-3 header (16 bytes, little-endian).  Its ``ndim`` sizes and then
-``ndim`` strides follow the previous tensor's in the dims array."""
-
-STORAGE_RECORD: Final = np.dtype(
-    [("offset", "<u8"), ("nbytes", "<u8"), ("crc32c", "<u4"), ("reserved", "<u4")]
-)
-"""One storage of a version-3 header (24 bytes, little-endian): where its bytes lie in the
-body and their crc32c; ``reserved`` is zero."""
-
-FLAG_REQUIRES_GRAD: Final = 1
-FLAG_CONJ: Final = 2
-FLAG_NEG: Final = 4
-_FLAGS: Final = FLAG_REQUIRES_GRAD | FLAG_CONJ | FLAG_NEG
-
-_DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
-_DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES)}
-_CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
-_CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
-_CODE_FLOATING: Final = np.array([d.is_floating_point or d.is_complex for d in _CODE_DTYPES])
-_CODE_COMPLEX: Final = np.array([d.is_complex for d in _CODE_DTYPES])
-_CODE_NUMPY: Final = np.array([name in NUMPY_DTYPES for name in DTYPE_CODES])
-_TORCH_DTYPE_LEAF_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPE_LEAVES.items()}
-_NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
-_KINDS: Final = {
-    "tensor": TensorKind.TENSOR,
-    "parameter": TensorKind.PARAMETER,
-    "ndarray": TensorKind.NDARRAY,
-}
-_KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY)
-"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0)."""
-_KIND_CODE: Final = {
-    TensorKind.TENSOR: 0,
-    TensorKind.PARAMETER: 1,
-    TensorKind.NDARRAY: 2,
-    TensorKind.DTENSOR: 0,
-}
-_V2_KINDS: Final = frozenset({TensorKind.NDARRAY})
-_V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
-_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
-_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_SCALARS: Final = (type(None), bool, int, float, str)
-_NAN_KEY: Final = ["float", "nan"]
-_CPU: Final = torch.device("cpu")
-
-
-# -- data ---------------------------------------------------------------------------------
-
-
-class Segment(NamedTuple):
-    """Where one storage's bytes lie in the body, and their crc32c.
-
-    A NamedTuple rather than a frozen dataclass: a header holds one per storage, and a
-    NamedTuple is built several times faster (headers of 20,000 storages are parsed).
-    """
-
-    offset: int
-    nbytes: int
-    crc32c: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DTensorNote:
-    """What a DTensor was; decoding returns only its local shard, as a plain tensor."""
-
-    placements: str
-    global_shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaHeader:
-    """A validated replica header.
-
-    :ivar owner_rank: the rank whose state this is.
-    :ivar holder_rank: the rank that keeps this copy, where the encoder said so.
-    :ivar step: the training step the state belongs to.
-    :ivar checkpoint_id: the caller's name for this checkpoint.
-    :ivar created: when it was encoded (seconds since the epoch, the owner's clock).
-    :ivar body_nbytes: length of the body that follows the prefix.
-    :ivar prefix_nbytes: length of everything before the body.
-    :ivar segments: one per distinct storage, in body order.
-    :ivar plan: how to view the storages as tensors and rebuild the tree.
-    :ivar dtensors: per planned tensor, what DTensor it was (``None`` for plain tensors).
-    """
-
-    owner_rank: int
-    holder_rank: int | None
-    step: int
-    checkpoint_id: str
-    created: float
-    body_nbytes: int
-    prefix_nbytes: int
-    segments: tuple[Segment, ...]
-    plan: StagePlan
-    dtensors: tuple[DTensorNote | None, ...]
-    version: int = FORMAT_VERSION
-
-    @property
-    def num_tensors(self) -> int:
-        """Distinct tensors in the replica (a tensor referenced twice counts once)."""
-        return len(self.plan.tensors)
-
-    @property
-    def total_nbytes(self) -> int:
-        """Length of the whole replica: prefix plus body."""
-        return self.prefix_nbytes + self.body_nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +101,8 @@ class Encoded:
 
     :ivar prefix: every byte before the body.
     :ivar segments: ``(body offset, uint8 CPU tensor)`` per storage, viewing the staged
-        storages themselves (nothing is copied); the bytes between them are zero.
+        storages themselves (nothing is copied); the bytes between them are zero.  From
+        :func:`encode` the tensors are made on first use (:class:`_StorageSegments`).
     :ivar body_nbytes: length of the body.
     :ivar layout: what it was encoded from, with ``crcs`` the storages' checksums: kept so
         that :meth:`relabel` can make the prefix for another rank without checksumming the
@@ -312,7 +110,7 @@ class Encoded:
     """
 
     prefix: bytes
-    segments: tuple[tuple[int, torch.Tensor], ...]
+    segments: Sequence[tuple[int, torch.Tensor]]
     body_nbytes: int
     layout: ReplicaLayout | None = dataclasses.field(default=None, repr=False)
     crcs: tuple[int, ...] = dataclasses.field(default=(), repr=False)
@@ -348,7 +146,8 @@ class Encoded:
     def buffers(self, chunk_nbytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
         """The whole replica, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
 
-        Views alias the staged storages: they stay valid while those are not changed.
+        Views alias the staged storages: they stay valid while those are not changed and
+        this object lives (it holds the storages; the views may not).
         """
         if chunk_nbytes <= 0:
             raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
@@ -359,12 +158,78 @@ class Encoded:
     def _pieces(self) -> Iterator[memoryview]:
         yield memoryview(self.prefix)
         end = 0
-        for offset, tensor in self.segments:
+        segments = self.segments
+        pairs = (
+            segments.byte_views()
+            if isinstance(segments, _StorageSegments)
+            else ((offset, byte_view(tensor)) for offset, tensor in segments)
+        )
+        for offset, view in pairs:
             if offset > end:
                 yield memoryview(_ZEROS)[: offset - end]
-            view = byte_view(tensor)
             yield view
             end = offset + len(view)
+
+
+class _StorageSegments(Sequence[tuple[int, torch.Tensor]]):
+    """:attr:`Encoded.segments` of an encoded layout: ``(offset, uint8 tensor)`` a storage,
+    the tensors made on first use.
+
+    A uint8 tensor costs microseconds a storage, the bulk of encoding 20,000 small ones; a
+    file writer needs only the bytes (:meth:`byte_views`, through :meth:`Encoded.buffers`),
+    so the tensors are made only for a caller that asks for them (the transport).  Making
+    them twice in a race is harmless: both are the same views.
+    """
+
+    __slots__ = ("_made", "offsets", "storages")
+
+    def __init__(self, offsets: Sequence[int], storages: Sequence[torch.UntypedStorage]) -> None:
+        self.offsets = offsets
+        self.storages = storages
+        self._made: tuple[tuple[int, torch.Tensor], ...] | None = None
+
+    def _pairs(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        made = self._made
+        if made is None:
+            made = self._made = tuple(zip(self.offsets, map(_storage_bytes, self.storages), strict=True))
+        return made
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[int, torch.Tensor]]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._pairs()[index]
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return iter(self._pairs())
+
+    def byte_views(self) -> Iterator[tuple[int, memoryview]]:
+        """``(offset, bytes)`` a storage, without making tensors; the views are valid while
+        this object (which holds the storages) lives."""
+        for offset, storage in zip(self.offsets, self.storages, strict=True):
+            yield offset, _storage_view(storage)
+
+
+_memory_view: Final = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+_PYBUF_READ: Final = 0x100
+_EMPTY: Final = memoryview(b"")
+
+
+def _storage_view(storage: torch.UntypedStorage) -> memoryview:
+    """A read-only memoryview of ``storage``'s bytes, which does not hold ``storage``: the
+    caller does, for as long as the view is used.
+
+    One object, made in C: a tensor and a numpy view cost several times more, and a ctypes
+    array leaves cyclic garbage (four objects a call) that the collector must sweep later.
+    """
+    nbytes = storage.nbytes()
+    return _memory_view(storage.data_ptr(), nbytes, _PYBUF_READ) if nbytes else _EMPTY
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -376,10 +241,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT
 
 
 # -- encoding -----------------------------------------------------------------------------
@@ -420,32 +281,24 @@ class ReplicaLayout:
 
         CPU-bound, releases the GIL on large buffers; async callers run it in a worker thread.
         """
-        segments = []
-        crcs = []
-        for offset, storage in zip(self.offsets, self.storages, strict=True):
-            segments.append((offset, _storage_bytes(storage)))
-            # A ctypes view for the checksum: a fifth of the cost of a numpy one, and the
-            # storage outlives it (self holds it).
-            view = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-            crcs.append(crc32c.crc32c(view))
-        crc_tuple = tuple(crcs)
-        return Encoded(self.prefix(crc_tuple), tuple(segments), self.body_nbytes, self, crc_tuple)
+        crcs = tuple(map(crc32c.crc32c, map(_storage_view, self.storages)))
+        segments = _StorageSegments(self.offsets, self.storages)
+        return Encoded(self.prefix(crcs), segments, self.body_nbytes, self, crcs)
 
     def prefix(self, crcs: Sequence[int]) -> bytes:
         """Everything before the body, with these storage checksums."""
-        return _prefix_bytes(self.header(crcs))
+        parts, spaces = self.header_parts(crcs)
+        return _join_prefix([*parts, b" " * spaces])
 
-    def header(self, crcs: Sequence[int]) -> bytes:
-        """The header (tables and JSON) with these storage checksums, padded (:func:`_padded`)."""
+    def header_parts(self, crcs: Sequence[int]) -> tuple[list[bytes], int]:
+        """The header's pieces (tables, then JSON) with these storage checksums, and the
+        number of spaces that pad it (:func:`_padding`): joined once, in the prefix, for a
+        header that is mostly padding on many small tensors."""
         storages = np.zeros(len(self.offsets), STORAGE_RECORD)
         storages["offset"] = self.offsets
         storages["nbytes"] = self.nbytes
         storages["crc32c"] = crcs
-        binary = (
-            _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
-            + self.tables
-            + storages.tobytes()
-        )
+        counts = _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
         meta = {
             "format": FORMAT_VERSION,
             "owner_rank": self.owner_rank,
@@ -458,7 +311,8 @@ class ReplicaLayout:
         head = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         text = f"{head[:-1]},{self.tree_json}}}".encode("ascii")
         charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
-        return binary + _padded(text, len(binary), charged)
+        binary = [counts, self.tables, storages.tobytes()]
+        return [*binary, text], _padding(text, sum(map(len, binary)), charged)
 
 
 @without_gc
@@ -517,38 +371,29 @@ def lay_out(
         body_nbytes=end,
         charged=tree_encoder.charged,
     )
-    # The longest header the metadata can make (the widest holder rank; checksums are
-    # fixed-size), so that encode() and relabel() cannot fail on the cap later.
-    widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
-    _check_header_len(len(widest.header([0] * len(offsets))))
+    _check_widest_header(layout)
     return layout
 
 
-def _tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """The version-3 tensor table and dims array of ``specs``, built column by column."""
-    table = np.zeros(len(specs), TENSOR_RECORD)
-    table["storage"] = [s.storage for s in specs]
-    table["dtype"] = [_DTYPE_CODE[s.dtype] for s in specs]
-    table["ndim"] = [len(s.size) for s in specs]
-    table["kind"] = [_KIND_CODE[s.kind] for s in specs]
-    table["flags"] = [
-        FLAG_REQUIRES_GRAD * s.requires_grad + FLAG_CONJ * s.conj + FLAG_NEG * s.neg for s in specs
-    ]
-    table["offset"] = [s.offset for s in specs]
-    count = 2 * int(table["ndim"].sum())
-    dims = np.fromiter(itertools.chain.from_iterable(s.size + s.stride for s in specs), "<i8", count)
-    return table, dims
+def _check_widest_header(layout: ReplicaLayout) -> None:
+    """Check the longest header ``layout``'s metadata can make (the widest ranks; checksums
+    are fixed-size) against the cap, so that encode() and relabel() cannot fail on it later."""
+    widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
+    parts, spaces = widest.header_parts([0] * len(layout.offsets))
+    _check_header_len(sum(map(len, parts)) + spaces)
 
 
-def encode(
-    staged_state_dict: Any,
-    *,
-    owner_rank: int,
-    step: int,
-    checkpoint_id: str,
-    holder_rank: int | None = None,
-    created: float | None = None,
-) -> Encoded:
+class ReplicaMeta(TypedDict):
+    """The metadata keywords of :func:`encode` and :func:`lay_out`, written once."""
+
+    owner_rank: int
+    step: int
+    checkpoint_id: str
+    holder_rank: NotRequired[int | None]
+    created: NotRequired[float | None]
+
+
+def encode(staged_state_dict: Any, **meta: Unpack[ReplicaMeta]) -> Encoded:
     """Lay out a staged (CPU) state_dict as a replica.
 
     Checksums every storage: CPU-bound, releases the GIL on large buffers; async callers
@@ -561,19 +406,13 @@ def encode(
     :data:`NUMPY_DTYPES`, ``None``, bools, ints, floats, complex numbers, strs, bytes,
     ``torch.Size``, ``torch.dtype`` and ``torch.device`` (see ``docs/format.md``).
 
-    :param created: timestamp to record; default now.
+    :param meta: ``owner_rank``, ``step``, ``checkpoint_id``; optionally ``holder_rank``
+        and ``created`` (the timestamp to record; default now).
     :raises UnsupportedInputError: a value the format cannot hold (names its key path), a
         tensor not on the CPU, or a header over :data:`HEADER_CAP`.
     :raises ConfigurationError: a rank, step or id out of range.
     """
-    return lay_out(
-        staged_state_dict,
-        owner_rank=owner_rank,
-        step=step,
-        checkpoint_id=checkpoint_id,
-        holder_rank=holder_rank,
-        created=created,
-    ).encode()
+    return lay_out(staged_state_dict, **meta).encode()
 
 
 class _ReplicaPlanner(_Planner):
@@ -646,295 +485,19 @@ def _check_header_len(nbytes: int) -> None:
 
 
 def _prefix_bytes(header: bytes) -> bytes:
-    _check_header_len(len(header))
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(header)) + header
-    head += _CRC.pack(crc32c.crc32c(head))
-    return head + bytes(_align(len(head)) - len(head))
+    return _join_prefix([header])
 
 
-def _scalar(value: Any) -> Any:
-    """The JSON form of a scalar leaf or key, or raise TypeError/ValueError."""
-    cls = type(value)
-    if cls is float and not math.isfinite(value):
-        return ["float", "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")]
-    if cls is int and value.bit_length() > _INT_BITS_CAP:
-        raise ValueError(f"int of {value.bit_length()} bits is too large for a replica header")
-    if cls not in _SCALARS:
-        raise TypeError(f"{cls.__qualname__} is not JSON-representable")
-    return value
-
-
-def _leaf(value: Any) -> Any:
-    """The JSON form of a leaf value (docs/format.md, tree nodes), or raise TypeError/ValueError.
-
-    Exact: numpy scalars are stored as their bits, so NaN payloads and -0.0 survive too.
-    """
-    cls = type(value)
-    if cls in _SCALARS:
-        return _scalar(value)
-    if cls is bytes:
-        return ["bytes", binascii.b2a_base64(value, newline=False).decode("ascii")]
-    if cls is complex:
-        return ["complex", _scalar(value.real), _scalar(value.imag)]
-    if cls is torch.Size:
-        if len(value) > MAX_NDIM or not all(-_INT64 <= n < _INT64 for n in value):
-            raise ValueError(f"a torch.Size must hold at most {MAX_NDIM} 64-bit ints")
-        return ["size", list(value)]
-    if cls is torch.dtype:
-        name = _TORCH_DTYPE_LEAF_NAMES.get(value)
-        if name is None:
-            raise ValueError(f"{value} is not a dtype a replica can name")
-        return ["dtype", name]
-    if cls is torch.device:
-        return ["device", value.type, value.index]
-    if isinstance(value, np.generic):
-        name = _NUMPY_NAMES.get((value.dtype.kind, value.dtype.itemsize))
-        if name is None or value.dtype.fields is not None:
-            raise TypeError(f"numpy {value.dtype} scalars are not stored (only {', '.join(NUMPY_DTYPES)})")
-        little = NUMPY_DTYPES[name].newbyteorder("<")
-        return ["numpy", name, int.from_bytes(np.asarray(value, dtype=little).tobytes(), "little")]
-    raise TypeError(f"{cls.__qualname__} is not a value a replica holds")
-
-
-def _attr_name_ok(name: object) -> bool:
-    return type(name) is str and name.isidentifier() and not name.startswith("__")
-
-
-def _namedtuple_class(typename: str, fields: Sequence[str]) -> type:
-    """The class a reader makes for a namedtuple; ValueError/TypeError for bad names.
-
-    Validates the name and fields as identifiers (no keywords, no leading underscores, no
-    repeats); imports and executes nothing.  The encoder calls it too, so that it refuses
-    whatever a reader would.
-    """
-    made: type = collections.namedtuple(typename, fields)  # type: ignore[misc]
-    return made
-
-
-def _namedtuple_fields(cls: type) -> tuple[str, ...] | None:
-    fields = getattr(cls, "_fields", None)
-    if issubclass(cls, tuple) and isinstance(fields, tuple) and all(type(f) is str for f in fields):
-        return fields
-    return None
-
-
-class _TreeEncoder:
-    """Plan nodes to the JSON tree (see docs/format.md), rejecting what JSON cannot hold.
-
-    It refuses everything the reader (:class:`_HeaderParser`) would refuse in an honest
-    header (too many dimensions, several NaN keys in one dict, namedtuple names that are not
-    identifiers), so that a replica that leaves :func:`encode` always parses: a peer that
-    could not parse it would have to abort the transfer and break the process group.
-    """
-
-    def __init__(self, plan: StagePlan) -> None:
-        self.plan = plan
-        self.memo: dict[int, int] = {}  # plan memo -> post-order container number
-        self.seen: set[int] = set()
-        self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
-        self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
-
-    def node(self, n: Node, path: KeyPath, depth: int) -> Any:
-        match n:
-            case TensorNode(index):
-                return self.tensor(index, path)
-            case AtomNode(value):
-                try:
-                    return _leaf(value)
-                except (TypeError, ValueError) as exc:
-                    raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
-            case RefNode(memo):
-                return ["ref", self.memo[memo]]
-            case DictNode(memo, keys, values, proto, attrs):
-                if proto is not None and type(proto) is not collections.OrderedDict:
-                    raise UnsupportedInputError(
-                        path,
-                        f"{type(proto).__qualname__} cannot be stored in a replica (only dict, OrderedDict)",
-                    )
-                self._check_depth(path, depth)
-                json_keys = []
-                for key in keys:
-                    try:
-                        json_keys.append(_scalar(key))
-                    except (TypeError, ValueError) as exc:
-                        raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
-                if json_keys.count(_NAN_KEY) > 1:
-                    raise UnsupportedInputError(path, "several NaN dict keys would read back as one")
-                json_values = self.children(keys, values, path, depth)
-                json_attrs = {}
-                for name, value in attrs:
-                    if not _attr_name_ok(name):
-                        raise UnsupportedInputError(path, f"attribute name {name!r} is not allowed")
-                    json_attrs[name] = self.node(value, (*path, Attr(name)), depth + 1)
-                self._done(memo)
-                node: list[Any] = ["dict" if proto is None else "odict", json_keys, json_values]
-                if json_attrs:  # e.g. the ``_metadata`` torch puts on every module state_dict
-                    node.append(json_attrs)
-                return node
-            case SeqNode(memo, cls, items, proto, attrs):
-                fields = _namedtuple_fields(cls) if cls not in (list, tuple) else None
-                if (cls not in (list, tuple) and fields is None) or proto is not None or attrs:
-                    raise UnsupportedInputError(
-                        path,
-                        f"{cls.__qualname__} cannot be stored in a replica (only list, tuple, namedtuple)",
-                    )
-                if fields is not None:
-                    self._check_namedtuple(cls, fields, len(items), path)
-                self._check_depth(path, depth)
-                json_items = self.children(range(len(items)), items, path, depth)
-                self._done(memo)
-                if fields is not None:
-                    return ["namedtuple", cls.__name__, list(fields), json_items]
-                return ["list" if cls is list else "tuple", json_items]
-            case CopyNode(value) | ObjectNode(cls=value):
-                what = value.__qualname__ if isinstance(value, type) else type(value).__qualname__
-                raise UnsupportedInputError(
-                    path,
-                    f"{what} cannot be stored in a replica (only tensors, numpy arrays, containers "
-                    "and plain values: see docs/format.md)",
-                )
-        raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
-
-    def tensor(self, index: int, path: KeyPath) -> list[Any]:
-        if index not in self.seen:
-            self.seen.add(index)
-            self.charged += _COST_PATH + 8 * len(path)
-            self._check_tensor(self.plan.tensors[index], path)
-        return ["tensor", index]
-
-    def children(self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int) -> list[Any]:
-        # Tensors are the bulk of a state_dict: met again, they need no key path and no
-        # dispatch (about a third of the walk's time on 20,000 tensors).
-        out: list[Any] = []
-        append = out.append
-        seen = self.seen
-        for key, child in zip(keys, nodes, strict=True):
-            if type(child) is TensorNode and child.position in seen:
-                append(["tensor", child.position])
-            elif type(child) is TensorNode:
-                append(self.tensor(child.position, (*path, key)))
-            else:
-                append(self.node(child, (*path, key), depth + 1))
-        return out
-
-    def _done(self, memo: int) -> None:
-        self.memo[memo] = len(self.memo)
-
-    @staticmethod
-    def _check_depth(path: KeyPath, depth: int) -> None:
-        if depth >= MAX_DEPTH:
-            raise UnsupportedInputError(path, f"containers nested deeper than {MAX_DEPTH} levels")
-
-    def _check_namedtuple(self, cls: type, fields: tuple[str, ...], arity: int, path: KeyPath) -> None:
-        if (cls.__name__, fields) not in self.namedtuples:
-            try:
-                _namedtuple_class(cls.__name__, fields)
-            except (ValueError, TypeError) as exc:
-                raise UnsupportedInputError(
-                    path, f"{cls.__qualname__} cannot be stored in a replica: {exc}"
-                ) from exc
-            self.namedtuples.add((cls.__name__, fields))
-            self.charged += _COST_NAMEDTUPLE + 256 * len(fields)
-        if arity != len(fields):
-            raise UnsupportedInputError(path, f"{cls.__qualname__} holds {arity} items, {len(fields)} fields")
-
-    @staticmethod
-    def _check_tensor(spec: TensorSpec, path: KeyPath) -> None:
-        if spec.dtype not in _DTYPE_NAMES:
-            raise UnsupportedInputError(path, f"dtype {spec.dtype} is not in the replica format's allow-list")
-        if len(spec.size) > MAX_NDIM:
-            raise UnsupportedInputError(
-                path, f"{len(spec.size)} dimensions, the replica format holds at most {MAX_NDIM}"
-            )
-        if spec.attrs is not None:
-            raise UnsupportedInputError(
-                path, "tensors carrying Python attributes cannot be stored in a replica"
-            )
-
-
-# -- the parse cost bound -------------------------------------------------------------------
-
-# What parsing may allocate, per token of the header text (bytes, CPython 3.11, 64-bit),
-# measured on the densest headers of each kind (tests/test_format.py checks the sum bounds
-# the real peak): a value is a pointer in its JSON list, an object (an int, a float, an
-# AtomNode in the plan) and its slot in a plan tuple; a quote pair is a str object; a colon
-# is an object member (a pair tuple while the object is built, a dict slot after).
-_COST_VALUE: Final = 80
-_COST_QUOTE: Final = 30
-_COST_COLON: Final = 100
-_COST_DIGIT: Final = 10
-_COST_PATH: Final = 48  # a tensor's key path, stored in its TensorSpec: a tuple, plus 8 per key
-_COST_NAMEDTUPLE: Final = 8192  # a namedtuple class, plus 256 per field
-# Version-3 tables, per record (measured like the rest, see tests/test_format.py): a tensor's
-# TensorSpec, its columns' temporaries, its Segment and checks; a dimension's ints, tuple
-# slots and index arrays; a storage's Segment and its three ints.
-_COST_TENSOR: Final = 200
-_COST_DIM: Final = 40
-_COST_STORAGE: Final = 200
-_DIGITS: Final = b"0123456789"
-_SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
-
-
-def _parse_cost(raw: bytes) -> int:
-    """An upper bound on what :func:`parse_prefix` allocates to parse header bytes ``raw``.
-
-    Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
-    Values, strings, members and digits are charged by :data:`_COST_VALUE` and the like;
-    the text itself once; the text without its trailing spaces (the padding) twice more,
-    for string contents and transients, or five times where a backslash-u escape can widen
-    a string to four bytes a character.  Tensor key paths and namedtuple classes depend on
-    the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
-    the encoder counts them the same way (:class:`_TreeEncoder`).
-    """
-    unpadded = _unpadded_len(raw)
-    text = raw[:unpadded]  # the padding holds no tokens: not scanned six times over
-    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
-    digits = len(text) - len(text.translate(None, _DIGITS))
-    return (
-        len(raw)
-        + (5 if b"\\u" in text else 2) * unpadded
-        + _COST_VALUE * values
-        + _COST_QUOTE * text.count(b'"')
-        + _COST_COLON * text.count(b":")
-        + _COST_DIGIT * digits
-    )
-
-
-def _unpadded_len(raw: bytes) -> int:
-    """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes."""
-    end = len(raw)
-    while end:
-        start = max(0, end - _SCAN)
-        kept = np.frombuffer(raw, np.uint8, end - start, start) != 0x20
-        if kept.any():
-            return end - int(np.argmax(kept[::-1]))
-        end = start
-    return 0
-
-
-def _table_cost(tensors: int, dims: int, storages: int) -> int:
-    """What parsing version-3 tables of these sizes allocates: checks and Python objects."""
-    return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
-
-
-def _parse_budget(header_len: int, text: bytes, version: int, table_cost: int = 0) -> int:
-    """What is left for the structure-dependent charges; negative: refuse the header.
-
-    ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3).
-    """
-    factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
-    return factor * header_len + PARSE_SLACK - _parse_cost(text) - table_cost
-
-
-def _padded(text: bytes, binary_len: int, charged: int) -> bytes:
-    """JSON ``text`` with the trailing spaces that make its header fit :data:`PARSE_AMPLIFICATION`.
-
-    A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
-    ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
-    what the tables and the tree's structure cost beyond the text's tokens.
-    """
-    short = -_parse_budget(binary_len + len(text), text, FORMAT_VERSION) + charged
-    return text + b" " * max(0, -(-short // (PARSE_AMPLIFICATION - 1)))
+def _join_prefix(header: Sequence[bytes]) -> bytes:
+    """The prefix around a header given in pieces: one copy of each, checksummed in place."""
+    nbytes = sum(map(len, header))
+    _check_header_len(nbytes)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, nbytes)
+    crc = crc32c.crc32c(fixed)
+    for part in header:
+        crc = crc32c.crc32c(part, crc)
+    end = FIXED_PREFIX_NBYTES + nbytes + _CRC.size
+    return b"".join([fixed, *header, _CRC.pack(crc), bytes(_align(end) - end)])
 
 
 # -- decoding -----------------------------------------------------------------------------
@@ -979,10 +542,10 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         raise IntegrityError("header checksum mismatch")
     if any(view[header_end + _CRC.size : total]):
         raise IntegrityError("non-zero bytes in the prefix padding")
-    raw = bytes(view[FIXED_PREFIX_NBYTES:header_end])
+    # Views, not copies: most of a many-tensor header is padding, which is only counted.
+    raw = view[FIXED_PREFIX_NBYTES:header_end]
     tables = _split_tables(raw) if version >= 3 else None
-    json_start = 0 if tables is None else tables.nbytes
-    json_raw = raw[json_start:]  # the same object before version 3
+    json_raw = raw[0 if tables is None else tables.nbytes :]
     table_cost = 0 if tables is None else _table_cost(*tables.counts)
     budget = _parse_budget(header_len, json_raw, version, table_cost)
     if budget < 0:
@@ -993,7 +556,7 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         )
     try:
         # Without the padding, which json.loads would only skip.
-        text = str(memoryview(json_raw)[: _unpadded_len(json_raw)], "ascii")
+        text = str(json_raw[: _unpadded_len(json_raw)], "ascii")
     except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
         raise IntegrityError(f"header is not ASCII: {exc}") from exc
     del raw, json_raw
@@ -1003,669 +566,6 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
     del text
     return _HeaderParser(total, version, budget, tables).parse(doc)
-
-
-class _Tables(NamedTuple):
-    """The binary tables of a version-3 header, viewed in place (not yet validated)."""
-
-    tensors: np.ndarray[Any, Any]
-    dims: np.ndarray[Any, Any]
-    storages: np.ndarray[Any, Any]
-    nbytes: int
-
-    @property
-    def counts(self) -> tuple[int, int, int]:
-        return len(self.tensors), len(self.dims), len(self.storages)
-
-
-def _split_tables(raw: bytes) -> _Tables:
-    """The tables at the start of a version-3 header; their sizes checked against ``raw``."""
-    if len(raw) < _COUNTS.size:
-        raise _fail("tables", f"{len(raw)} bytes, the table counts alone take {_COUNTS.size}")
-    tensors, dims, storages, reserved = _COUNTS.unpack_from(raw)
-    if reserved:
-        raise _fail("tables", "the reserved count is not zero")
-    # Each count is checked against the bytes before it is multiplied: no overflow.
-    room = len(raw) - _COUNTS.size
-    at = _COUNTS.size
-    views = []
-    for name, count, record in (
-        ("tensor", tensors, TENSOR_RECORD),
-        ("dims", dims, np.dtype("<i8")),
-        ("storage", storages, STORAGE_RECORD),
-    ):
-        if count > room // record.itemsize:
-            raise _fail("tables", f"{count} {name} records do not fit in the {len(raw)}-byte header")
-        views.append(np.frombuffer(raw, record, count, at))
-        at += count * record.itemsize
-        room -= count * record.itemsize
-    return _Tables(views[0], views[1], views[2], at)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in a replica header")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate key in a JSON object")
-    return out
-
-
-def _fail(where: str, message: str) -> IntegrityError:
-    return IntegrityError(f"header {where}: {message}")
-
-
-def _int(value: Any, where: str, lo: int = 0, hi: int = _INT64) -> int:
-    if type(value) is not int or not lo <= value < hi:
-        raise _fail(where, f"expected an int in [{lo}, {hi}), got {value!r:.80}")
-    return value
-
-
-def _list(value: Any, where: str, length: int | None = None) -> list[Any]:
-    if type(value) is not list or (length is not None and len(value) != length):
-        raise _fail(where, f"expected a list{'' if length is None else f' of {length}'}, got {value!r:.80}")
-    return value
-
-
-def _object(
-    value: Any, where: str, required: frozenset[str], optional: frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    if type(value) is not dict or not required <= value.keys() <= required | optional:
-        raise _fail(where, f"expected an object with keys {sorted(required)}, got {value!r:.120}")
-    return value
-
-
-def _dims(value: Any, where: str, what: str) -> tuple[int, ...]:
-    """A shape-like list: at most :data:`MAX_NDIM` ints in [0, 2**63)."""
-    if type(value) is not list or len(value) > MAX_NDIM:
-        raise _fail(where, f"{what} must be a list of at most {MAX_NDIM} ints, got {value!r:.80}")
-    for n in value:
-        if type(n) is not int or not 0 <= n < _INT64:
-            raise _fail(where, f"{what} {value!r:.80} holds {n!r:.40}, not an int in [0, 2**63)")
-    return tuple(value)
-
-
-_DOC_KEYS: Final = frozenset(
-    {
-        "format",
-        "owner_rank",
-        "holder_rank",
-        "step",
-        "checkpoint_id",
-        "created",
-        "body_nbytes",
-        "storages",
-        "tensors",
-        "tree",
-    }
-)
-_DOC_KEYS_V3: Final = (_DOC_KEYS - {"storages", "tensors"}) | {"dtensors"}
-_DTENSOR_KEYS: Final = frozenset({"placements", "global_shape"})
-_EXACT_LIMIT: Final = 1 << 20
-"""Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
-are all below this (no sum can overflow); the others, rare, are checked one by one."""
-
-
-def _where(path: KeyPath) -> str:
-    return f"tree at {format_key_path(path):.200}"
-
-
-def _float_part(raw: Any) -> float | None:
-    if type(raw) is float:
-        return raw
-    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
-        return _NONFINITE[raw[1]]
-    return None
-
-
-def _bytes_leaf(text: Any) -> bytes | None:
-    if type(text) is not str:
-        return None
-    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
-
-
-def _complex_leaf(real: Any, imag: Any) -> complex | None:
-    re, im = _float_part(real), _float_part(imag)
-    return None if re is None or im is None else complex(re, im)
-
-
-def _size_leaf(dims: Any) -> torch.Size | None:
-    if type(dims) is not list or len(dims) > MAX_NDIM:
-        return None
-    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
-        return None
-    return torch.Size(dims)
-
-
-def _dtype_leaf(name: Any) -> torch.dtype | None:
-    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
-
-
-def _device_leaf(kind: Any, index: Any) -> torch.device | None:
-    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
-        return None
-    if index is None:
-        return torch.device(kind)
-    if type(index) is not int or not 0 <= index < 1 << 15:
-        return None
-    return torch.device(kind, index)  # RuntimeError for a type torch does not know
-
-
-def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
-    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
-    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
-        return None
-    if dtype.kind == "b" and bits > 1:
-        return None
-    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
-    return value
-
-
-_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
-    "bytes": _bytes_leaf,
-    "complex": _complex_leaf,
-    "size": _size_leaf,
-    "dtype": _dtype_leaf,
-    "device": _device_leaf,
-    "numpy": _numpy_leaf,
-}
-"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""
-
-
-class _Specs(NamedTuple):
-    root: Node
-    tensors: tuple[TensorSpec, ...]
-
-
-class _Columns(NamedTuple):
-    """A validated tensor table as Python lists, one per column (``tolist`` is one C call)."""
-
-    storages: list[int]
-    codes: list[int]
-    ndims: list[int]
-    starts: list[int]
-    offsets: list[int]
-    kinds: list[int]
-    flags: list[int]
-    dims: list[int]
-
-
-def _first(bad: np.ndarray[Any, Any]) -> int:
-    return int(np.flatnonzero(bad)[0])
-
-
-def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Segment, ...]:
-    """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
-    offsets = records["offset"]
-    nbytes = records["nbytes"]
-    if records["reserved"].any():
-        raise _fail(f"storages[{_first(records['reserved'] != 0)}]", "the reserved field is not zero")
-    # Both below 2**63 once checked against the body, so their sums cannot overflow uint64.
-    over = (nbytes > body_nbytes) | (offsets > body_nbytes)
-    if over.any():
-        raise _fail(f"storages[{_first(over)}]", f"overruns the {body_nbytes}-byte body")
-    ends = offsets + nbytes
-    aligned = np.zeros(len(records), np.uint64)
-    aligned[1:] = (ends[:-1] + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
-    misplaced = offsets != aligned
-    if misplaced.any():
-        i = _first(misplaced)
-        raise _fail(f"storages[{i}]", f"offset {offsets[i]} is not the aligned offset {aligned[i]}")
-    over = ends > body_nbytes
-    if over.any():
-        i = _first(over)
-        raise _fail(f"storages[{i}]", f"bytes [{offsets[i]}, {ends[i]}) overrun the {body_nbytes}-byte body")
-    end = int(ends[-1]) if len(ends) else 0
-    if end != body_nbytes:
-        raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
-    columns = zip(offsets.tolist(), nbytes.tolist(), records["crc32c"].tolist(), strict=True)
-    return tuple(map(Segment._make, columns))
-
-
-def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Columns:
-    """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
-    every tensor inside its storage.  The rare tensor with a dimension or stride of
-    :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
-    records, dims = tables.tensors, tables.dims
-    count = len(records)
-    storage = records["storage"].astype(np.int64)
-    code = records["dtype"].astype(np.int64)
-    ndim = records["ndim"].astype(np.int64)
-    kind = records["kind"]
-    flags = records["flags"]
-    offset = records["offset"]
-    for bad, what in (
-        (storage >= len(segments), f"storage is not one of the {len(segments)} storages"),
-        (code >= len(DTYPE_CODES), f"dtype code is not one of the {len(DTYPE_CODES)} allowed"),
-        (ndim > MAX_NDIM, f"more than {MAX_NDIM} dimensions"),
-        (kind >= len(_KIND_CODES), "kind code is not 0, 1 or 2"),
-        ((flags | _FLAGS) != _FLAGS, "unknown flag bits"),
-        (offset < 0, "negative storage offset"),
-    ):
-        if bad.any():
-            raise _fail(f"tensors[{_first(bad)}]", what)
-    if 2 * int(ndim.sum()) != len(dims):
-        raise _fail("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
-    if (dims < 0).any():
-        raise _fail("dims", "a negative size or stride")
-    floating = _CODE_FLOATING[code]
-    for bad, what in (
-        ((flags & FLAG_REQUIRES_GRAD != 0) & ~floating, "only floating or complex tensors require grad"),
-        ((flags & FLAG_CONJ != 0) & ~_CODE_COMPLEX[code], "only complex tensors have a conjugate bit"),
-        ((flags & FLAG_NEG != 0) & ~floating, "only floating or complex tensors have a negative bit"),
-        ((kind == 2) & (~_CODE_NUMPY[code] | (flags != 0)), "an ndarray needs a numpy dtype and no flags"),
-    ):
-        if bad.any():
-            raise _fail(f"tensors[{_first(bad)}]", what)
-    # Each tensor's sizes, then its strides, in the dims array; ``first`` is where its
-    # dimensions start among all tensors' dimensions, ``owner`` the tensor of each.
-    starts = np.zeros(count, np.int64)
-    np.cumsum(2 * ndim[:-1], out=starts[1:])
-    first = starts // 2
-    owner = np.repeat(np.arange(count), ndim)
-    size_at = np.repeat(starts, ndim) + np.arange(len(owner)) - np.repeat(first, ndim)
-    sizes = dims[size_at]
-    strides = dims[size_at + ndim[owner]]
-    empty = np.bincount(owner[sizes == 0], minlength=count) > 0
-    large = np.bincount(owner[(sizes >= _EXACT_LIMIT) | (strides >= _EXACT_LIMIT)], minlength=count) > 0
-    large |= offset >= _EXACT_LIMIT
-    # log2 of the product of the sizes but zeros (torch multiplies them in order, and fails
-    # on an overflow before a zero): near 2**63 the float is not trusted, checked exactly.
-    log_numel = np.bincount(owner, weights=np.log2(np.maximum(sizes, 1)), minlength=count)
-    large |= log_numel > 62
-    # Below the limit no term reaches 2**40, and no sum of up to 2**22 of them (a header
-    # cannot hold more dims) overflows int64.
-    terms = np.where(large[owner] | empty[owner], 0, (sizes - 1) * strides)
-    total = np.zeros(len(terms) + 1, np.int64)
-    np.cumsum(terms, out=total[1:])
-    last = offset + total[first + ndim] - total[first]
-    storage_nbytes = np.fromiter((s.nbytes for s in segments), np.int64, len(segments))
-    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > storage_nbytes[storage])
-    if past.any():
-        i = _first(past)
-        raise _fail(f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage")
-    if len(segments) and (np.bincount(storage, minlength=len(segments)) == 0).any():
-        raise _fail("storages", "a storage is not referenced by any tensor")
-    columns = _Columns(
-        storage.tolist(),
-        code.tolist(),
-        ndim.tolist(),
-        starts.tolist(),
-        offset.tolist(),
-        kind.tolist(),
-        flags.tolist(),
-        dims.tolist(),
-    )
-    for i in np.flatnonzero(large).tolist():
-        _check_extent(columns, i, segments)
-    return columns
-
-
-def _numel_overflows(size: Sequence[int]) -> bool:
-    """Whether torch's element count of ``size`` overflows int64.
-
-    Torch multiplies the sizes left to right and fails on the first overflow, even when a
-    later size is 0: (2**32, 2**32, 0) is refused, (0, 2**62, 2**62) is not.
-    """
-    product = 1
-    for n in size:
-        product *= n
-        if product >= _INT64:
-            return True
-    return False
-
-
-def _check_extent(columns: _Columns, i: int, segments: Sequence[Segment]) -> None:
-    """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
-    start, ndim = columns.starts[i], columns.ndims[i]
-    size = columns.dims[start : start + ndim]
-    stride = columns.dims[start + ndim : start + 2 * ndim]
-    where = f"tensors[{i}]"
-    if _numel_overflows(size):
-        raise _fail(where, f"shape {size} has too many elements")
-    if 0 in size:
-        return
-    last = columns.offsets[i] + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
-    nbytes = segments[columns.storages[i]].nbytes
-    if last >= _INT64 or (last + 1) * _CODE_DTYPES[columns.codes[i]].itemsize > nbytes:
-        raise _fail(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
-
-
-class _RawTensor(NamedTuple):
-    storage: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    kind: TensorKind
-    requires_grad: bool
-    note: DTensorNote | None
-
-
-class _HeaderParser:
-    """Header JSON to :class:`ReplicaHeader`, checking every field."""
-
-    def __init__(self, prefix_len: int, version: int, budget: int, tables: _Tables | None = None) -> None:
-        self.prefix_len = prefix_len
-        self.version = version
-        self.budget = budget  # see _parse_cost
-        self.tables = tables
-        self.containers = 0
-        self.paths: list[KeyPath | None] = []
-        self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
-
-    def parse(self, doc: Any) -> ReplicaHeader:
-        if self.tables is not None:
-            doc = _object(doc, "document", _DOC_KEYS_V3)
-            if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
-                raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
-        else:
-            doc = _object(doc, "document", _DOC_KEYS)
-            # The binary version set the parse bound; the JSON one says which nodes may appear.
-            schema = doc["format"]
-            if type(schema) is not int or schema not in (1, 2):
-                raise _fail("format", f"expected one of [1, 2], got {schema!r:.40}")
-            self.version = schema
-        holder = doc["holder_rank"]
-        checkpoint_id = doc["checkpoint_id"]
-        if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
-            raise _fail("checkpoint_id", f"expected a str of at most {_ID_CAP} characters")
-        created = doc["created"]
-        if type(created) is not float or not math.isfinite(created):
-            raise _fail("created", f"expected a finite float, got {created!r:.40}")
-        body_nbytes = _int(doc["body_nbytes"], "body_nbytes")
-        if self.tables is not None:
-            segments, specs, notes = self.tables_v3(self.tables, body_nbytes, doc)
-        else:
-            segments, specs, notes = self.tables_v2(doc, body_nbytes)
-        plan = StagePlan(specs.root, specs.tensors, tuple(StorageSpec(s.nbytes, _CPU) for s in segments))
-        return ReplicaHeader(
-            owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
-            holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
-            step=_int(doc["step"], "step", -_INT64),
-            checkpoint_id=checkpoint_id,
-            created=created,
-            body_nbytes=body_nbytes,
-            prefix_nbytes=self.prefix_len,
-            segments=segments,
-            plan=plan,
-            dtensors=notes,
-            version=self.version,
-        )
-
-    def tables_v2(
-        self, doc: dict[str, Any], body_nbytes: int
-    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
-        """Storages and tensors as JSON lists (versions 1 and 2), then the tree."""
-        segments = self.segments(_list(doc["storages"], "storages"), body_nbytes)
-        raw_tensors = [
-            self.tensor(t, f"tensors[{i}]", segments) for i, t in enumerate(_list(doc["tensors"], "tensors"))
-        ]
-        self.paths = [None] * len(raw_tensors)
-        root = self.node(doc["tree"], (), 0)
-        paths = self.all_paths()
-        if len({t.storage for t in raw_tensors}) != len(segments):
-            raise _fail("storages", "a storage is not referenced by any tensor")
-        specs = tuple(
-            TensorSpec(path, t.storage, t.dtype, t.size, t.stride, t.offset, t.kind, t.requires_grad)
-            for t, path in zip(raw_tensors, paths, strict=True)
-        )
-        return segments, _Specs(root, specs), tuple(t.note for t in raw_tensors)
-
-    def all_paths(self) -> list[KeyPath]:
-        unused = [i for i, p in enumerate(self.paths) if p is None]
-        if unused:
-            raise _fail("tensors", f"tensor {unused[0]} is not referenced by the tree")
-        return self.paths  # type: ignore[return-value]  # no None left
-
-    def tables_v3(
-        self, tables: _Tables, body_nbytes: int, doc: dict[str, Any]
-    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
-        """The binary tables (version 3), checked column by column, then the tree."""
-        self.paths = [None] * len(tables.tensors)
-        # The JSON tree goes as soon as it is walked: the specs below are the peak.
-        tree = doc.pop("tree")
-        root = self.node(tree, (), 0)
-        del tree
-        paths = self.all_paths()
-        segments = _storage_table(tables.storages, body_nbytes)
-        columns = _check_tensor_table(tables, segments)
-        notes = self.dtensor_notes(doc["dtensors"], columns.kinds)
-        dims = columns.dims
-        specs = tuple(
-            TensorSpec(
-                path,
-                storage,
-                _CODE_DTYPES[code],
-                tuple(dims[start : start + ndim]),
-                tuple(dims[start + ndim : start + 2 * ndim]),
-                offset,
-                _KIND_CODES[kind],
-                flags & FLAG_REQUIRES_GRAD != 0,
-                flags & FLAG_CONJ != 0,
-                flags & FLAG_NEG != 0,
-            )
-            for path, storage, code, ndim, start, offset, kind, flags in zip(
-                paths,
-                columns.storages,
-                columns.codes,
-                columns.ndims,
-                columns.starts,
-                columns.offsets,
-                columns.kinds,
-                columns.flags,
-                strict=True,
-            )
-        )
-        return segments, _Specs(root, specs), notes
-
-    def dtensor_notes(self, raw: Any, kinds: list[int]) -> tuple[DTensorNote | None, ...]:
-        notes: list[DTensorNote | None] = [None] * len(kinds)
-        last = -1
-        for entry in _list(raw, "dtensors"):
-            if type(entry) is not list or len(entry) != 3:
-                raise _fail("dtensors", f"expected [index, placements, global_shape], got {entry!r:.80}")
-            index, placements, global_shape = entry
-            if type(index) is not int or not last < index < len(kinds) or kinds[index] == 2:
-                raise _fail(
-                    "dtensors", f"index {index!r:.40} is not a later tensor of kind tensor or parameter"
-                )
-            if type(placements) is not str:
-                raise _fail("dtensors", "placements must be a str")
-            notes[index] = DTensorNote(placements, _dims(global_shape, "dtensors", "global_shape"))
-            self.charge(_COST_PATH + 8 * len(global_shape) + len(placements))
-            last = index
-        return tuple(notes)
-
-    @staticmethod
-    def segments(raw: list[Any], body_nbytes: int) -> tuple[Segment, ...]:
-        # The layout is canonical (each segment at the first aligned offset after the
-        # previous one, nothing after the last), so in-bounds and non-overlapping follow.
-        # One pass of inline checks: a header may list tens of thousands of storages.
-        out = []
-        end = 0
-        for i, entry in enumerate(raw):
-            if type(entry) is not list or len(entry) != 3:
-                raise _fail(f"storages[{i}]", f"expected a list of 3, got {entry!r:.80}")
-            offset, nbytes, crc = entry
-            aligned = _align(end)
-            if type(offset) is not int or offset != aligned:
-                raise _fail(f"storages[{i}]", f"offset {offset!r:.40} is not the aligned offset {aligned}")
-            if type(nbytes) is not int or type(crc) is not int or not (nbytes >= 0 and 0 <= crc < 1 << 32):
-                raise _fail(f"storages[{i}]", f"expected a length and a crc32c, got {entry!r:.80}")
-            end = offset + nbytes
-            if end > body_nbytes:
-                raise _fail(f"storages[{i}]", f"bytes [{offset}, {end}) overrun the {body_nbytes}-byte body")
-            out.append(Segment(offset, nbytes, crc))
-        if end != body_nbytes:
-            raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
-        return tuple(out)
-
-    def tensor(self, raw: Any, where: str, segments: Sequence[Segment]) -> _RawTensor:
-        # Inline checks, no helper calls per dimension: this runs once per tensor.
-        if type(raw) is not list or len(raw) not in (7, 8):
-            raise _fail(where, f"expected a list of 7 or 8 fields, got {raw!r:.80}")
-        storage, dtype_name, shape, stride, offset, kind, requires_grad = raw[:7]
-        if type(storage) is not int or not 0 <= storage < len(segments):
-            raise _fail(where, f"storage {storage!r:.40} is not one of the {len(segments)} storages")
-        dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
-        if dtype is None:
-            raise _fail(where, f"dtype {dtype_name!r:.40} is not allowed")
-        size = _dims(shape, where, "shape")
-        strides = _dims(stride, where, "stride")
-        if len(strides) != len(size):
-            raise _fail(where, f"{len(strides)} strides for {len(size)} dimensions")
-        if type(offset) is not int or not 0 <= offset < _INT64:
-            raise _fail(where, f"offset {offset!r:.40} is not an int in [0, 2**63)")
-        if _numel_overflows(size):
-            raise _fail(where, f"shape {size} has too many elements")
-        if 0 not in size:
-            last = offset
-            for n, st in zip(size, strides, strict=True):
-                last += (n - 1) * st
-            if last >= _INT64 or (last + 1) * dtype.itemsize > segments[storage].nbytes:
-                raise _fail(
-                    where,
-                    f"shape {size} with stride {strides} at offset {offset} reaches past its "
-                    f"{segments[storage].nbytes}-byte storage",
-                )
-        tensor_kind = _KINDS.get(kind) if type(kind) is str else None
-        if tensor_kind is None:
-            raise _fail(where, f"kind must be one of {sorted(_KINDS)}, got {kind!r:.40}")
-        if type(requires_grad) is not bool:
-            raise _fail(where, "requires_grad must be a bool")
-        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
-            raise _fail(where, f"a {dtype_name} tensor cannot require grad")
-        if tensor_kind in _V2_KINDS and self.version < 2:
-            raise _fail(where, f"kind {kind} needs format version 2")
-        if tensor_kind is TensorKind.NDARRAY and (
-            dtype_name not in NUMPY_DTYPES or requires_grad or len(raw) == 8
-        ):
-            raise _fail(
-                where, f"an ndarray must have a numpy dtype, no grad and no DTensor note, got {raw!r:.80}"
-            )
-        note = None
-        if len(raw) == 8:
-            dt = _object(raw[7], f"{where} dtensor", _DTENSOR_KEYS)
-            if type(dt["placements"]) is not str:
-                raise _fail(f"{where} dtensor", "placements must be a str")
-            global_shape = _dims(dt["global_shape"], f"{where} dtensor", "global_shape")
-            note = DTensorNote(dt["placements"], global_shape)
-        return _RawTensor(storage, dtype, size, strides, offset, tensor_kind, requires_grad, note)
-
-    def charge(self, nbytes: int) -> None:
-        self.budget -= nbytes
-        if self.budget < 0:
-            raise _fail("document", "too dense: parsing it would allocate more than its bound (_parse_cost)")
-
-    def scalar(self, raw: Any, path: KeyPath) -> Any:
-        if type(raw) in _SCALARS:
-            return raw
-        if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
-            return _NONFINITE[raw[1]]
-        raise _fail(_where(path), f"expected a JSON scalar, got {raw!r:.80}")
-
-    def leaf(self, raw: list[Any], path: KeyPath) -> Any:
-        """A tagged leaf of format version 2 (``raw[0]`` is in :data:`_V2_LEAVES`)."""
-        tag = raw[0]
-        if self.version < 2:
-            raise _fail(_where(path), f"{tag!r} leaves need format version 2")
-        try:
-            value = _LEAF_DECODERS[tag](*raw[1:])
-        except (TypeError, ValueError, OverflowError, RuntimeError, binascii.Error) as exc:
-            raise _fail(_where(path), f"malformed {tag} leaf {raw!r:.80}: {exc}") from exc
-        if value is None:
-            raise _fail(_where(path), f"malformed {tag} leaf {raw!r:.80}")
-        return value
-
-    def node(self, raw: Any, path: KeyPath, depth: int) -> Node:
-        if type(raw) is not list or not raw or raw[0] == "float":
-            return AtomNode(self.scalar(raw, path))
-        if type(raw[0]) is str and raw[0] in _V2_LEAVES:
-            return AtomNode(self.leaf(raw, path))
-        tag = raw[0]
-        if tag == "tensor" and len(raw) == 2 and type(raw[1]) is int and 0 <= raw[1] < len(self.paths):
-            index = raw[1]
-            if self.paths[index] is None:
-                self.paths[index] = path
-                self.charge(_COST_PATH + 8 * len(path))
-            return TensorNode(index)
-        where = _where(path)
-        if tag == "ref":
-            return RefNode(_int(_list(raw, where, 2)[1], where, 0, self.containers))
-        if depth >= MAX_DEPTH:
-            raise _fail(where, f"containers nested deeper than {MAX_DEPTH} levels")
-        node: Node
-        if tag in ("dict", "odict"):
-            _, keys, values, *more = _list(raw, where, 4 if tag == "odict" and len(raw) == 4 else 3)
-            keys = [self.scalar(k, path) for k in _list(keys, where)]
-            values = _list(values, where, len(keys))
-            if len(dict.fromkeys(keys)) != len(keys):
-                raise _fail(where, "duplicate dict key")
-            nodes = self.children(keys, values, path, depth)
-            attrs = self.attrs(more[0], path, depth) if more else ()
-            proto: dict[Any, Any] | None = None if tag == "dict" else collections.OrderedDict()
-            node = DictNode(self.containers, tuple(keys), nodes, proto, attrs)
-        elif tag in ("list", "tuple"):
-            items = _list(_list(raw, where, 2)[1], where)
-            nodes = self.children(range(len(items)), items, path, depth)
-            node = SeqNode(self.containers, list if tag == "list" else tuple, nodes, None, ())
-        elif tag == "namedtuple":
-            _, typename, fields, items = _list(raw, where, 4)
-            fields = _list(fields, where)
-            items = _list(items, where, len(fields))
-            nodes = self.children(range(len(items)), items, path, depth)
-            node = SeqNode(self.containers, self.namedtuple(typename, fields, where), nodes, None, ())
-        else:
-            raise _fail(where, f"unknown or malformed node {raw!r:.80}")
-        self.containers += 1
-        return node
-
-    def children(self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int) -> tuple[Node, ...]:
-        # Tensor references are the bulk of a tree: checked inline, a key path made only for
-        # a tensor's first reference (the same checks as node()).
-        out: list[Node] = []
-        append = out.append
-        paths = self.paths
-        for key, raw in zip(keys, raws, strict=True):
-            if (
-                type(raw) is list
-                and len(raw) == 2
-                and raw[0] == "tensor"
-                and type(raw[1]) is int
-                and 0 <= raw[1] < len(paths)
-            ):
-                if paths[raw[1]] is None:
-                    paths[raw[1]] = child = (*path, key)
-                    self.charge(_COST_PATH + 8 * len(child))
-                append(TensorNode(raw[1]))
-            else:
-                append(self.node(raw, (*path, key), depth + 1))
-        return tuple(out)
-
-    def attrs(self, raw: Any, path: KeyPath, depth: int) -> tuple[tuple[str, Node], ...]:
-        if type(raw) is not dict or not raw or not all(_attr_name_ok(name) for name in raw):
-            raise _fail(
-                _where(path), f"attributes must be a non-empty object of plain names, got {raw!r:.80}"
-            )
-        return tuple((name, self.node(v, (*path, Attr(name)), depth + 1)) for name, v in raw.items())
-
-    def namedtuple(self, typename: Any, fields: list[Any], where: str) -> type:
-        if type(typename) is not str or not all(type(f) is str for f in fields):
-            raise _fail(where, "namedtuple name and fields must be strs")
-        key = (typename, tuple(fields))
-        known = self.namedtuples.get(key)
-        if known is not None:
-            return known
-        try:
-            self.charge(_COST_NAMEDTUPLE + 256 * len(fields))
-            made = _namedtuple_class(typename, fields)
-        except (ValueError, TypeError) as exc:
-            raise _fail(where, f"invalid namedtuple: {exc}") from exc
-        self.namedtuples[key] = made
-        return made
 
 
 class BodyVerifier:
@@ -1748,11 +648,53 @@ def verify_body(header: ReplicaHeader, body: torch.Tensor) -> None:
     view = byte_view(body)
     if len(view) != header.body_nbytes:
         raise IntegrityError(f"body is {len(view)} bytes, the header says {header.body_nbytes}")
-    verifier = BodyVerifier(header)
-    verifier.update(view)
-    verifier.finish()
+    segments = header.segments
+    dirty = _first_dirty_gap(np.frombuffer(view, np.uint8), segments)
+    if dirty < 0:  # segments out of order: only a header made by hand; check it streaming
+        verifier = BodyVerifier(header)
+        verifier.update(view)
+        verifier.finish()
+        return
+    # The same checks, in the same order, as BodyVerifier: the gap before a storage, then
+    # its checksum; the gaps checked all at once.
+    checksum = crc32c.crc32c
+    for index, (offset, nbytes, expected) in enumerate(segments):
+        if index == dirty:
+            raise IntegrityError(f"non-zero padding before storage {index}")
+        if checksum(view[offset : offset + nbytes]) != expected:
+            raise IntegrityError(f"checksum mismatch in storage {index} (body bytes from {offset})")
 
 
+_GAP_BLOCK: Final = 1 << 14
+"""Storages whose gaps :func:`_first_dirty_gap` gathers at once (at most 1 MiB of bytes)."""
+
+
+def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Sequence[Segment]) -> int:
+    """The first storage preceded by a non-zero byte, ``len(segments)`` if none, or -1 if
+    the segments are not in order (each gap is under :data:`ALIGNMENT` bytes once parsed).
+
+    Gathers every gap's bytes with one index array a block of storages: a Python
+    ``any()`` a gap costs more than the checksum of a small storage.
+    """
+    table = np.fromiter(itertools.chain.from_iterable(segments), np.int64, 3 * len(segments))
+    offsets, nbytes = table[0::3], table[1::3]
+    gap_starts = np.zeros(len(segments), np.int64)
+    gap_starts[1:] = offsets[:-1] + nbytes[:-1]
+    lengths = offsets - gap_starts
+    if (lengths < 0).any() or (lengths >= ALIGNMENT).any() or (offsets + nbytes > len(body)).any():
+        return -1
+    for first in range(0, len(segments), _GAP_BLOCK):
+        starts, counts = gap_starts[first : first + _GAP_BLOCK], lengths[first : first + _GAP_BLOCK]
+        owners = np.repeat(np.arange(len(counts)), counts)
+        before = np.cumsum(counts) - counts  # each gap's first byte among the gathered ones
+        at = np.repeat(starts - before, counts) + np.arange(len(owners))
+        bad = np.flatnonzero(body[at])
+        if len(bad):
+            return first + int(owners[bad[0]])
+    return len(segments)
+
+
+@without_gc
 def decode(header: ReplicaHeader, body: torch.Tensor) -> Any:
     """Verify ``body`` against ``header`` and rebuild the state_dict over it.
 
@@ -1765,11 +707,11 @@ def decode(header: ReplicaHeader, body: torch.Tensor) -> Any:
     :raises ConfigurationError: ``body`` is not a contiguous 1-D uint8 CPU tensor.
     """
     verify_body(header, body)
-    array = body.numpy()
-    storages = [
-        torch.from_numpy(array[seg.offset : seg.offset + seg.nbytes]).untyped_storage()
-        for seg in header.segments
-    ]
+    # A slice of an untyped storage is a storage of exactly those bytes that holds the
+    # whole one alive: a third cheaper than a numpy slice turned into a tensor.
+    whole = body.untyped_storage()
+    base = body.storage_offset()
+    storages = [whole[base + offset : base + offset + nbytes] for offset, nbytes, _ in header.segments]
     try:
         return rebuild(header.plan, storages)
     except RuntimeError as exc:  # pragma: no cover - the header checks should make this unreachable

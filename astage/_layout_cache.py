@@ -140,10 +140,10 @@ class LayoutCache:
                 step=INT64 - 1,
                 created=_WIDEST_TIME,
             )
-            header = await run_sync(widest.header, [0] * len(layout.offsets), limiter=limiter)
-            if len(header) > HEADER_CAP:
+            parts, spaces = await run_sync(widest.header_parts, [0] * len(layout.offsets), limiter=limiter)
+            if sum(map(len, parts)) + spaces > HEADER_CAP:
                 return
-            del header, widest
+            del parts, widest
             kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout)))
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)

@@ -2,7 +2,8 @@
 
 On ``small-20k`` (20,000 small fp32 tensors), times each step of the format, best of
 ``--runs``: ``lay_out`` (the walk that checks the staged tree and builds the header's tables
-and JSON), ``encode`` (the storages' crc32c and the prefix), ``relabel`` (a replica's prefix for
+and JSON), ``encode`` (the storages' crc32c and the prefix; the segments' uint8 tensors are
+made later, on first use), ``relabel`` (a replica's prefix for
 another rank, its body and checksums kept), ``parse_prefix`` (header validation into a plan)
 and ``decode`` (body verification and the rebuilt tree); and the header's size.  Pure CPU,
 one thread: no event loop, file or process group.

@@ -43,6 +43,9 @@ from astage._format import (
     prefix_nbytes,
     verify_body,
 )
+from astage._parse_bound import _parse_budget, _table_cost
+from astage._plan import DictNode
+from astage._tensor_table import _split_tables
 from tests.statedicts import random_tensor, rich_state_dict, storage_key, tensors_of
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -581,6 +584,31 @@ def test_a_streamed_body_with_a_bit_flip_anywhere_is_rejected(piece: int) -> Non
             _streamed(bytes(damaged), piece)
 
 
+def _verdict(check: Callable[[], None]) -> str:
+    try:
+        check()
+    except astage.IntegrityError as exc:
+        return str(exc)
+    return "ok"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=0, max_size=3))
+def test_a_whole_body_is_judged_as_a_streamed_one(flips: list[tuple[int, int]]) -> None:
+    # verify_body checks all gaps at once; its verdict, first fault first, must be the
+    # streaming verifier's (a gap before a storage is checked before that storage's crc).
+    state = {f"t{i}": torch.arange(i % 5 + 1, dtype=torch.int8) for i in range(40)}
+    data = bytearray(replica_bytes(state))
+    header = parse_prefix(bytes(data))
+    damage = {at % header.body_nbytes: mask for at, mask in flips}  # distinct bytes, each changed
+    for at, mask in damage.items():
+        data[header.prefix_nbytes + at] ^= mask
+    body = torch.frombuffer(data[header.prefix_nbytes :], dtype=torch.uint8)
+    whole = _verdict(lambda: verify_body(header, body))
+    assert whole == _verdict(lambda: _streamed(bytes(data), 1 << 20))
+    assert (whole == "ok") == (not flips)
+
+
 def test_a_streamed_body_of_the_wrong_length_is_rejected() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="longer"):
@@ -677,6 +705,10 @@ def _with_attrs(tag: str, attrs: Any) -> dict[str, Any]:
     return doc
 
 
+def _refs(*refs: Any) -> list[Any]:
+    return ["dict", [f"k{i}" for i in range(len(refs))], list(refs)]
+
+
 _HOSTILE = {
     "unknown key": {**_doc(), "extra": 1},
     "missing key": {k: v for k, v in _doc().items() if k != "step"},
@@ -733,6 +765,14 @@ _HOSTILE = {
     "attribute not a name": _with_attrs("odict", {"a b": 1}),
     "empty attributes": _with_attrs("odict", {}),
     "attributes as a list": _with_attrs("odict", [["a", 1]]),
+    # A container of tensor references is checked in bulk when every one is fresh; each of
+    # these must fall back to the per-child checks and be refused there.
+    "tensor refs, one repeated, one missing": _mutate(("tree",), _refs(["tensor", 0], ["tensor", 0])),
+    "tensor ref by a bool": _mutate(("tree",), _refs(["tensor", True], ["tensor", 1])),
+    "tensor ref out of range": _mutate(("tree",), _refs(["tensor", 0], ["tensor", 2])),
+    "tensor ref negative": _mutate(("tree",), _refs(["tensor", -1], ["tensor", 1])),
+    "tensor ref with an unhashable tag": _mutate(("tree",), _refs([["tensor"], 0], ["tensor", 1])),
+    "tensor ref of three": _mutate(("tree",), _refs(["tensor", 0, 0], ["tensor", 1])),
 }
 
 
@@ -743,6 +783,17 @@ def _deep(depth: int) -> dict[str, Any]:
     doc = _doc()
     doc["tree"][2][1] = tree
     return doc
+
+
+def test_a_container_of_tensor_references_parses_in_bulk_or_not_alike() -> None:
+    fresh = parse_prefix(_forge(json.dumps(_mutate(("tree",), _refs(["tensor", 1], ["tensor", 0]))).encode()))
+    assert [spec.key_path for spec in fresh.plan.tensors] == [("k1",), ("k0",)]
+    repeated = _mutate(("tree",), _refs(["tensor", 0], ["tensor", 1], ["tensor", 0]))
+    header = parse_prefix(_forge(json.dumps(repeated).encode()))
+    assert [spec.key_path for spec in header.plan.tensors] == [("k0",), ("k1",)]
+    root = header.plan.root
+    assert isinstance(root, DictNode)
+    assert [node.position for node in root.values] == [0, 1, 0]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("doc", list(_HOSTILE.values()), ids=list(_HOSTILE))
@@ -1028,6 +1079,25 @@ def test_an_unpadded_dense_header_is_refused_before_parsing() -> None:
     with pytest.raises(astage.IntegrityError, match="too dense"):
         parse_prefix(_forge_version(header.rstrip(b" "), FORMAT_VERSION))
     assert parse_prefix(_forge_version(header, FORMAT_VERSION)).num_tensors == 0  # the padded one is fine
+
+
+def test_key_paths_are_charged_as_the_parse_meets_them() -> None:
+    # Padding that covers the header's tokens and tables but not its tensors' key paths
+    # (long here: 300 tensors 100 containers deep) passes the check before parsing; the
+    # walk must then stop on the paths' charge.
+    encoded = encode(_deep(300, 100), owner_rank=0, step=0, checkpoint_id="paths")
+    header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
+    header = encoded.prefix[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len].rstrip(b" ")
+    spaces = 0
+    while True:
+        tables = _split_tables(header + b" " * spaces)
+        text = (header + b" " * spaces)[tables.nbytes :]
+        if _parse_budget(len(header) + spaces, text, FORMAT_VERSION, _table_cost(*tables.counts)) >= 0:
+            break
+        spaces += 1024
+    with pytest.raises(astage.IntegrityError, match="too dense"):
+        parse_prefix(_forge_version(header + b" " * spaces, FORMAT_VERSION))
+    assert parse_prefix(encoded.prefix).num_tensors == 300
 
 
 @pytest.mark.parametrize("version", [2, 3])

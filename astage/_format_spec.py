@@ -1,0 +1,170 @@
+"""The replica format's vocabulary: its version, limits, dtype allow-list and header records.
+
+Every other format module (:mod:`astage._format` and the modules it is built from) takes
+its constants from here, so a limit is written once: what the encoder refuses and what the
+reader refuses cannot drift apart.  The layout itself is described in :mod:`astage._format`
+and ``docs/format.md``.  Pure: no file, socket or thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Final, NamedTuple
+
+import numpy as np
+import torch
+
+from ._errors import IntegrityError
+from ._plan import StagePlan
+
+MAGIC: Final = b"ASTAGE\x00R"
+"""First 8 bytes of every replica."""
+
+FORMAT_VERSION: Final = 3
+"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
+version 3 the binary tensor and storage tables)."""
+
+READ_VERSIONS: Final = frozenset({1, 2, 3})
+"""The versions this module reads.  The binary version sets the parse bound
+(:data:`PARSE_AMPLIFICATION`: version 2 and 3 headers are padded to it where needed) and the
+header's layout (3: binary tables); in versions 1 and 2 the header's ``format`` field says
+which nodes may appear: a format-1 header may use only format-1 nodes."""
+
+ALIGNMENT: Final = 64
+"""Prefix length and every body segment offset are multiples of this."""
+
+HEADER_CAP: Final = 64 << 20
+"""Largest header JSON accepted (and produced), checked before anything is allocated."""
+
+FIXED_PREFIX_NBYTES: Final = 20
+"""Magic, version and header length: what must be read first to learn the prefix length."""
+
+PARSE_AMPLIFICATION: Final = 4
+"""Parsing a format-2 header allocates at most this many times its length (plus
+:data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
+encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
+
+LEGACY_PARSE_AMPLIFICATION: Final = 64
+"""The same bound for version-1 headers, which were written unpadded: old files must stay
+readable, and a valid one can count up to 48 (a long list of single-digit ints; it needs
+about 37 times its length in fact)."""
+
+PARSE_SLACK: Final = 256 << 10
+"""Fixed allowance on top of the amplification bound: frames, small tables."""
+
+MAX_DEPTH: Final = 128
+"""Deepest container nesting accepted in the tree."""
+
+MAX_NDIM: Final = 64
+"""Most dimensions accepted for one tensor."""
+
+_ID_CAP = 4096
+
+DTYPES: Final[Mapping[str, torch.dtype]] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+    "float4_e2m1fn_x2": torch.float4_e2m1fn_x2,
+}
+"""The dtype allow-list: header names to torch dtypes.  Nothing else is read or written."""
+
+NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        *("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
+        *("float16", "float32", "float64", "complex64", "complex128"),
+    )
+}
+"""numpy dtypes of the arrays and scalars a replica holds (each is also a torch dtype)."""
+
+_NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+class Segment(NamedTuple):
+    """Where one storage's bytes lie in the body, and their crc32c.
+
+    A NamedTuple rather than a frozen dataclass: a header holds one per storage, and a
+    NamedTuple is built several times faster (headers of 20,000 storages are parsed).
+    """
+
+    offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DTensorNote:
+    """What a DTensor was; decoding returns only its local shard, as a plain tensor."""
+
+    placements: str
+    global_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaHeader:
+    """A validated replica header.
+
+    :ivar owner_rank: the rank whose state this is.
+    :ivar holder_rank: the rank that keeps this copy, where the encoder said so.
+    :ivar step: the training step the state belongs to.
+    :ivar checkpoint_id: the caller's name for this checkpoint.
+    :ivar created: when it was encoded (seconds since the epoch, the owner's clock).
+    :ivar body_nbytes: length of the body that follows the prefix.
+    :ivar prefix_nbytes: length of everything before the body.
+    :ivar segments: one per distinct storage, in body order.
+    :ivar plan: how to view the storages as tensors and rebuild the tree.
+    :ivar dtensors: per planned tensor, what DTensor it was (``None`` for plain tensors).
+    """
+
+    owner_rank: int
+    holder_rank: int | None
+    step: int
+    checkpoint_id: str
+    created: float
+    body_nbytes: int
+    prefix_nbytes: int
+    segments: tuple[Segment, ...]
+    plan: StagePlan
+    dtensors: tuple[DTensorNote | None, ...]
+    version: int = FORMAT_VERSION
+
+    @property
+    def num_tensors(self) -> int:
+        """Distinct tensors in the replica (a tensor referenced twice counts once)."""
+        return len(self.plan.tensors)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Length of the whole replica: prefix plus body."""
+        return self.prefix_nbytes + self.body_nbytes
+
+
+def _align(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGNMENT`."""
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def _fail(where: str, message: str) -> IntegrityError:
+    """The error for a malformed header field: ``header <where>: <message>``."""
+    return IntegrityError(f"header {where}: {message}")

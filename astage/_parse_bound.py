@@ -1,0 +1,98 @@
+"""The parse bound: what parsing a replica header may allocate, counted before it is parsed.
+
+A reader refuses a header that could need more than :data:`PARSE_AMPLIFICATION` times its
+length (plus :data:`PARSE_SLACK`), from a count of its tokens made at C speed; the
+structure-dependent charges (key paths, namedtuple classes) are made as the parse meets
+them, and the encoder counts them the same way and pads the header with spaces to fit, so
+an honest header is never refused.  Pure: no file, socket or thread.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+
+from ._format_spec import FORMAT_VERSION, LEGACY_PARSE_AMPLIFICATION, PARSE_AMPLIFICATION, PARSE_SLACK
+
+# What parsing may allocate, per token of the header text (bytes, CPython 3.11, 64-bit),
+# measured on the densest headers of each kind (tests/test_format.py checks the sum bounds
+# the real peak): a value is a pointer in its JSON list, an object (an int, a float, an
+# AtomNode in the plan) and its slot in a plan tuple; a quote pair is a str object; a colon
+# is an object member (a pair tuple while the object is built, a dict slot after).
+_COST_VALUE: Final = 80
+_COST_QUOTE: Final = 30
+_COST_COLON: Final = 100
+_COST_DIGIT: Final = 10
+_COST_PATH: Final = 48  # a tensor's key path, stored in its TensorSpec: a tuple, plus 8 per key
+_COST_NAMEDTUPLE: Final = 8192  # a namedtuple class, plus 256 per field
+# Version-3 tables, per record (measured like the rest, see tests/test_format.py): a tensor's
+# TensorSpec, its columns' temporaries, its Segment and checks; a dimension's ints, tuple
+# slots and index arrays; a storage's Segment and its three ints.
+_COST_TENSOR: Final = 200
+_COST_DIM: Final = 40
+_COST_STORAGE: Final = 200
+_DIGITS: Final = b"0123456789"
+_SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
+
+
+def _parse_cost(raw: bytes | memoryview) -> int:
+    """An upper bound on what :func:`parse_prefix` allocates to parse header bytes ``raw``.
+
+    Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
+    Values, strings, members and digits are charged by :data:`_COST_VALUE` and the like;
+    the text itself once; the text without its trailing spaces (the padding) twice more,
+    for string contents and transients, or five times where a backslash-u escape can widen
+    a string to four bytes a character.  Tensor key paths and namedtuple classes depend on
+    the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
+    the encoder counts them the same way (:class:`_TreeEncoder`).
+    """
+    unpadded = _unpadded_len(raw)
+    text = bytes(raw[:unpadded])  # the padding holds no tokens: not scanned (or copied)
+    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
+    digits = len(text) - len(text.translate(None, _DIGITS))
+    return (
+        len(raw)
+        + (5 if b"\\u" in text else 2) * unpadded
+        + _COST_VALUE * values
+        + _COST_QUOTE * text.count(b'"')
+        + _COST_COLON * text.count(b":")
+        + _COST_DIGIT * digits
+    )
+
+
+def _unpadded_len(raw: bytes | memoryview) -> int:
+    """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes."""
+    end = len(raw)
+    while end:
+        start = max(0, end - _SCAN)
+        kept = np.frombuffer(raw, np.uint8, end - start, start) != 0x20
+        if kept.any():
+            return end - int(np.argmax(kept[::-1]))
+        end = start
+    return 0
+
+
+def _table_cost(tensors: int, dims: int, storages: int) -> int:
+    """What parsing version-3 tables of these sizes allocates: checks and Python objects."""
+    return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
+
+
+def _parse_budget(header_len: int, text: bytes | memoryview, version: int, table_cost: int = 0) -> int:
+    """What is left for the structure-dependent charges; negative: refuse the header.
+
+    ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3).
+    """
+    factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
+    return factor * header_len + PARSE_SLACK - _parse_cost(text) - table_cost
+
+
+def _padding(text: bytes, binary_len: int, charged: int) -> int:
+    """How many trailing spaces make a header with JSON ``text`` fit :data:`PARSE_AMPLIFICATION`.
+
+    A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
+    ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
+    what the tables and the tree's structure cost beyond the text's tokens.
+    """
+    short = -_parse_budget(binary_len + len(text), text, FORMAT_VERSION) + charged
+    return max(0, -(-short // (PARSE_AMPLIFICATION - 1)))

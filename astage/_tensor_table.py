@@ -1,0 +1,379 @@
+"""The binary per-tensor and per-storage tables of a version-3 replica header.
+
+The header starts with four counts, then one fixed-size record a tensor
+(:data:`TENSOR_RECORD`), every tensor's sizes and strides as one int64 array, and one
+record a storage (:data:`STORAGE_RECORD`).  This module packs them from a plan and, on
+the way back, checks them whole columns at a time with numpy (indices, codes, flags,
+canonical storage offsets, every tensor inside its storage) before turning them into
+:class:`TensorSpec` records: per-tensor Python work is what a 20,000-tensor header costs.
+Pure: no file, socket or thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Sequence
+from itertools import repeat
+from typing import Any, Final, NamedTuple
+
+import numpy as np
+
+from ._errors import KeyPath
+from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, _fail
+from ._limits import INT64 as _INT64
+from ._plan import TensorKind, TensorNode, TensorSpec
+
+_COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
+
+DTYPE_CODES: Final[tuple[str, ...]] = tuple(DTYPES)
+"""Version 3's dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
+only: a code once written means that dtype forever."""
+
+TENSOR_RECORD: Final = np.dtype(
+    [
+        ("storage", "<u4"),
+        ("dtype", "u1"),
+        ("ndim", "u1"),
+        ("kind", "u1"),
+        ("flags", "u1"),
+        ("offset", "<i8"),
+    ]
+)
+"""One tensor of a version-3 header (16 bytes, little-endian).  Its ``ndim`` sizes and then
+``ndim`` strides follow the previous tensor's in the dims array."""
+
+STORAGE_RECORD: Final = np.dtype(
+    [("offset", "<u8"), ("nbytes", "<u8"), ("crc32c", "<u4"), ("reserved", "<u4")]
+)
+"""One storage of a version-3 header (24 bytes, little-endian): where its bytes lie in the
+body and their crc32c; ``reserved`` is zero."""
+
+FLAG_REQUIRES_GRAD: Final = 1
+FLAG_CONJ: Final = 2
+FLAG_NEG: Final = 4
+_FLAGS: Final = FLAG_REQUIRES_GRAD | FLAG_CONJ | FLAG_NEG
+
+_DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
+_DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES)}
+_CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
+_CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
+_CODE_FLOATING: Final = np.array([d.is_floating_point or d.is_complex for d in _CODE_DTYPES])
+_CODE_COMPLEX: Final = np.array([d.is_complex for d in _CODE_DTYPES])
+_CODE_NUMPY: Final = np.array([name in NUMPY_DTYPES for name in DTYPE_CODES])
+_KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY)
+"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0)."""
+_KIND_CODE: Final = {
+    TensorKind.TENSOR: 0,
+    TensorKind.PARAMETER: 1,
+    TensorKind.NDARRAY: 2,
+    TensorKind.DTENSOR: 0,
+}
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray[Any, Any]:
+    """A 1-D object array of ``values``: a code column indexes it to gather Python objects."""
+    out = np.empty(len(values), object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
+_CODE_DTYPE_OBJECTS: Final = _objects(_CODE_DTYPES)
+_KIND_OBJECTS: Final = _objects(_KIND_CODES)
+_new_tuple: Final = tuple.__new__
+"""Builds a NamedTuple from the complete tuple of its fields, skipping its Python-level
+``__new__``: a call a record is most of what a 20,000-tensor parse costs.  The fields
+given (here and in :mod:`astage._header_tree`) are checked against the classes below, so
+a field added to them fails at import."""
+if TensorNode._fields != ("position",):
+    raise ImportError("astage._header_tree builds TensorNode records field by field")
+if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
+    *("key_path", "storage", "dtype", "size", "stride", "offset", "kind", "requires_grad"),
+    *("conj", "neg", "attrs", "dtensor_spec"),
+):
+    raise ImportError("astage._tensor_table builds Segment and TensorSpec records field by field")
+
+_EXACT_LIMIT: Final = 1 << 20
+"""Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
+are all below this (no sum can overflow); the others, rare, are checked one by one."""
+
+
+def _tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The version-3 tensor table and dims array of ``specs``, built column by column (the
+    columns come out of one ``zip(*specs)``, at C speed)."""
+    table = np.zeros(len(specs), TENSOR_RECORD)
+    if not specs:
+        return table, np.zeros(0, "<i8")
+    _, storage, dtype, size, stride, offset, kind, requires_grad, conj, neg, *_ = zip(*specs, strict=True)
+    table["storage"] = storage
+    table["dtype"] = list(map(_DTYPE_CODE.__getitem__, dtype))
+    table["ndim"] = ndims = list(map(len, size))
+    table["kind"] = list(map(_KIND_CODE.__getitem__, kind))
+    flags = np.array(requires_grad, np.uint8) * FLAG_REQUIRES_GRAD
+    flags |= np.array(conj, np.uint8) * FLAG_CONJ
+    flags |= np.array(neg, np.uint8) * FLAG_NEG
+    table["flags"] = flags
+    table["offset"] = offset
+    dims = np.fromiter(itertools.chain.from_iterable(map(tuple.__add__, size, stride)), "<i8", 2 * sum(ndims))
+    return table, dims
+
+
+class _Tables(NamedTuple):
+    """The binary tables of a version-3 header, viewed in place (not yet validated)."""
+
+    tensors: np.ndarray[Any, Any]
+    dims: np.ndarray[Any, Any]
+    storages: np.ndarray[Any, Any]
+    nbytes: int
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return len(self.tensors), len(self.dims), len(self.storages)
+
+
+def _split_tables(raw: bytes | memoryview) -> _Tables:
+    """The tables at the start of a version-3 header; their sizes checked against ``raw``."""
+    if len(raw) < _COUNTS.size:
+        raise _fail("tables", f"{len(raw)} bytes, the table counts alone take {_COUNTS.size}")
+    tensors, dims, storages, reserved = _COUNTS.unpack_from(raw)
+    if reserved:
+        raise _fail("tables", "the reserved count is not zero")
+    # Each count is checked against the bytes before it is multiplied: no overflow.
+    room = len(raw) - _COUNTS.size
+    at = _COUNTS.size
+    views = []
+    for name, count, record in (
+        ("tensor", tensors, TENSOR_RECORD),
+        ("dims", dims, np.dtype("<i8")),
+        ("storage", storages, STORAGE_RECORD),
+    ):
+        if count > room // record.itemsize:
+            raise _fail("tables", f"{count} {name} records do not fit in the {len(raw)}-byte header")
+        views.append(np.frombuffer(raw, record, count, at))
+        at += count * record.itemsize
+        room -= count * record.itemsize
+    return _Tables(views[0], views[1], views[2], at)
+
+
+class _Columns(NamedTuple):
+    """A validated tensor table: its records and dims array, and the int64 columns derived
+    from them (``starts``: where each tensor's sizes begin in ``dims``)."""
+
+    records: np.ndarray[Any, Any]
+    dims: np.ndarray[Any, Any]
+    storage: np.ndarray[Any, Any]
+    code: np.ndarray[Any, Any]
+    ndim: np.ndarray[Any, Any]
+    starts: np.ndarray[Any, Any]
+
+
+def _first(bad: np.ndarray[Any, Any]) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Segment, ...]:
+    """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
+    offsets = records["offset"]
+    nbytes = records["nbytes"]
+    if records["reserved"].any():
+        raise _fail(f"storages[{_first(records['reserved'] != 0)}]", "the reserved field is not zero")
+    # Both below 2**63 once checked against the body, so their sums cannot overflow uint64.
+    over = (nbytes > body_nbytes) | (offsets > body_nbytes)
+    if over.any():
+        raise _fail(f"storages[{_first(over)}]", f"overruns the {body_nbytes}-byte body")
+    ends = offsets + nbytes
+    aligned = np.zeros(len(records), np.uint64)
+    aligned[1:] = (ends[:-1] + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+    misplaced = offsets != aligned
+    if misplaced.any():
+        i = _first(misplaced)
+        raise _fail(f"storages[{i}]", f"offset {offsets[i]} is not the aligned offset {aligned[i]}")
+    over = ends > body_nbytes
+    if over.any():
+        i = _first(over)
+        raise _fail(f"storages[{i}]", f"bytes [{offsets[i]}, {ends[i]}) overrun the {body_nbytes}-byte body")
+    end = int(ends[-1]) if len(ends) else 0
+    if end != body_nbytes:
+        raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
+    columns = zip(offsets.tolist(), nbytes.tolist(), records["crc32c"].tolist(), strict=True)
+    return tuple(map(_new_tuple, repeat(Segment), columns))
+
+
+def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Columns:
+    """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
+    every tensor inside its storage.  The rare tensor with a dimension or stride of
+    :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
+    records, dims = tables.tensors, tables.dims
+    _check_codes(records, dims, len(segments))
+    storage, code, ndim = _int_columns(records)
+    # Each tensor's sizes, then its strides, in the dims array.
+    starts = np.zeros(len(records), np.int64)
+    np.cumsum(2 * ndim[:-1], out=starts[1:])
+    large = _check_extents(records, starts, dims, segments)
+    if len(segments) and (np.bincount(storage, minlength=len(segments)) == 0).any():
+        raise _fail("storages", "a storage is not referenced by any tensor")
+    columns = _Columns(records, dims, storage, code, ndim, starts)
+    for i in np.flatnonzero(large).tolist():
+        _check_extent(columns, i, segments)
+    return columns
+
+
+def _int_columns(records: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:
+    """The storage, dtype and ndim columns as int64, for index arithmetic."""
+    return tuple(records[name].astype(np.int64) for name in ("storage", "dtype", "ndim"))
+
+
+def _check_codes(records: np.ndarray[Any, Any], dims: np.ndarray[Any, Any], nstorages: int) -> None:
+    """The tensor records' indices, codes and flags and the dims array's length and signs,
+    each column at once."""
+    storage, code, ndim = _int_columns(records)
+    kind, flags = records["kind"], records["flags"]
+    for bad, what in (
+        (storage >= nstorages, f"storage is not one of the {nstorages} storages"),
+        (code >= len(DTYPE_CODES), f"dtype code is not one of the {len(DTYPE_CODES)} allowed"),
+        (ndim > MAX_NDIM, f"more than {MAX_NDIM} dimensions"),
+        (kind >= len(_KIND_CODES), "kind code is not 0, 1 or 2"),
+        ((flags | _FLAGS) != _FLAGS, "unknown flag bits"),
+        (records["offset"] < 0, "negative storage offset"),
+    ):
+        if bad.any():
+            raise _fail(f"tensors[{_first(bad)}]", what)
+    if 2 * int(ndim.sum()) != len(dims):
+        raise _fail("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
+    if (dims < 0).any():
+        raise _fail("dims", "a negative size or stride")
+    floating = _CODE_FLOATING[code]
+    for bad, what in (
+        ((flags & FLAG_REQUIRES_GRAD != 0) & ~floating, "only floating or complex tensors require grad"),
+        ((flags & FLAG_CONJ != 0) & ~_CODE_COMPLEX[code], "only complex tensors have a conjugate bit"),
+        ((flags & FLAG_NEG != 0) & ~floating, "only floating or complex tensors have a negative bit"),
+        ((kind == 2) & (~_CODE_NUMPY[code] | (flags != 0)), "an ndarray needs a numpy dtype and no flags"),
+    ):
+        if bad.any():
+            raise _fail(f"tensors[{_first(bad)}]", what)
+
+
+def _check_extents(
+    records: np.ndarray[Any, Any],
+    starts: np.ndarray[Any, Any],
+    dims: np.ndarray[Any, Any],
+    segments: Sequence[Segment],
+) -> np.ndarray[Any, Any]:
+    """Every tensor inside its storage, in int64 columns; returns the mask of the tensors
+    too large for that (a size, stride or offset of :data:`_EXACT_LIMIT` or more, or near
+    2**63 elements), which the caller checks one by one."""
+    storage, code, ndim = _int_columns(records)
+    offset = records["offset"]
+    count = len(offset)
+    # ``first`` is where a tensor's dimensions start among all tensors' dimensions,
+    # ``owner`` the tensor of each dimension.
+    first = starts // 2
+    owner = np.repeat(np.arange(count), ndim)
+    size_at = np.repeat(starts, ndim) + np.arange(len(owner)) - np.repeat(first, ndim)
+    sizes = dims[size_at]
+    strides = dims[size_at + ndim[owner]]
+    empty = np.bincount(owner[sizes == 0], minlength=count) > 0
+    large = np.bincount(owner[(sizes >= _EXACT_LIMIT) | (strides >= _EXACT_LIMIT)], minlength=count) > 0
+    large |= offset >= _EXACT_LIMIT
+    # log2 of the product of the sizes but zeros (torch multiplies them in order, and fails
+    # on an overflow before a zero): near 2**63 the float is not trusted, checked exactly.
+    log_numel = np.bincount(owner, weights=np.log2(np.maximum(sizes, 1)), minlength=count)
+    large |= log_numel > 62
+    # Below the limit no term reaches 2**40, and no sum of up to 2**22 of them (a header
+    # cannot hold more dims) overflows int64.
+    terms = np.where(large[owner] | empty[owner], 0, (sizes - 1) * strides)
+    total = np.zeros(len(terms) + 1, np.int64)
+    np.cumsum(terms, out=total[1:])
+    last = offset + total[first + ndim] - total[first]
+    storage_nbytes = np.fromiter((s.nbytes for s in segments), np.int64, len(segments))
+    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > storage_nbytes[storage])
+    if past.any():
+        i = _first(past)
+        raise _fail(f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage")
+    return large
+
+
+def _numel_overflows(size: Sequence[int]) -> bool:
+    """Whether torch's element count of ``size`` overflows int64.
+
+    Torch multiplies the sizes left to right and fails on the first overflow, even when a
+    later size is 0: (2**32, 2**32, 0) is refused, (0, 2**62, 2**62) is not.
+    """
+    product = 1
+    for n in size:
+        product *= n
+        if product >= _INT64:
+            return True
+    return False
+
+
+def _check_extent(columns: _Columns, i: int, segments: Sequence[Segment]) -> None:
+    """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
+    start, ndim = int(columns.starts[i]), int(columns.ndim[i])
+    size = columns.dims[start : start + ndim].tolist()
+    stride = columns.dims[start + ndim : start + 2 * ndim].tolist()
+    where = f"tensors[{i}]"
+    if _numel_overflows(size):
+        raise _fail(where, f"shape {size} has too many elements")
+    if 0 in size:
+        return
+    last = int(columns.records["offset"][i]) + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+    nbytes = segments[int(columns.storage[i])].nbytes
+    if last >= _INT64 or (last + 1) * _CODE_DTYPES[int(columns.code[i])].itemsize > nbytes:
+        raise _fail(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
+
+
+def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSpec, ...]:
+    """The checked tensor table as plan records, with the key paths the tree gave them.
+
+    Column by column: each field is one numpy ``tolist`` (or an object-array gather), and
+    each record one ``tuple.__new__``; a Python call a tensor would cost more than the
+    rest of the parse (headers of 20,000 tensors are parsed).
+    """
+    flags = columns.records["flags"]
+    sizes, strides = _shapes(columns)
+    fields = zip(
+        paths,
+        columns.storage.tolist(),
+        _CODE_DTYPE_OBJECTS[columns.code].tolist(),
+        sizes,
+        strides,
+        columns.records["offset"].tolist(),
+        _KIND_OBJECTS[columns.records["kind"]].tolist(),
+        (flags & FLAG_REQUIRES_GRAD != 0).tolist(),
+        (flags & FLAG_CONJ != 0).tolist(),
+        (flags & FLAG_NEG != 0).tolist(),
+        repeat(None),  # attrs: a replica holds none
+        repeat(None),  # dtensor_spec: DTensors come back as their local tensor
+        strict=False,  # the repeats are endless; paths and the columns have one a tensor
+    )
+    return tuple(map(_new_tuple, repeat(TensorSpec), fields))
+
+
+def _shapes(columns: _Columns) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Every tensor's size and stride tuples, gathered a dimension count at a time (the
+    tuples are made by ``zip`` over the columns of one count's block of dims).
+
+    Equal tuples are shared (most tensors of a model have one of a few shapes, and nearly
+    all contiguous 1-D ones the stride ``(1,)``): fewer objects for the collector to walk
+    once the parse is over, and less memory.
+    """
+    count = len(columns.ndim)
+    ndims = np.unique(columns.ndim).tolist()
+    known: dict[tuple[int, ...], tuple[int, ...]] = {}
+    shared = known.setdefault
+    sizes = np.empty(count, object)
+    strides = np.empty(count, object)
+    for ndim in ndims:
+        which = np.flatnonzero(columns.ndim == ndim) if len(ndims) > 1 else np.arange(count)
+        block = columns.dims[columns.starts[which, None] + np.arange(2 * ndim)].T.tolist()
+        size_rows = list(zip(*block[:ndim], strict=True)) if ndim else [()] * len(which)
+        stride_rows = list(zip(*block[ndim:], strict=True)) if ndim else [()] * len(which)
+        size_rows = list(map(shared, size_rows, size_rows))
+        stride_rows = list(map(shared, stride_rows, stride_rows))
+        if len(ndims) == 1:
+            return size_rows, stride_rows
+        sizes[which] = np.fromiter(size_rows, object, len(which))
+        strides[which] = np.fromiter(stride_rows, object, len(which))
+    return sizes.tolist(), strides.tolist()
