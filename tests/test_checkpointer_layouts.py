@@ -72,7 +72,8 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
 
 
 def header_of(layout: ReplicaLayout) -> bytes:
-    return dataclasses.replace(layout, created=0.0).header([0] * len(layout.offsets))
+    parts, spaces = dataclasses.replace(layout, created=0.0).header_parts([0] * len(layout.offsets))
+    return b"".join(parts) + b" " * spaces
 
 
 def assert_same_layout(got: ReplicaLayout, expected: ReplicaLayout) -> None:
