@@ -134,7 +134,8 @@ class Rebuilder:
                     out_d.clear()
                     for k, v in zip(keys, built_values, strict=True):
                         out_d[k] = v
-                    vars(out_d).update((yield from self.pairs(attrs)))
+                    if attrs:  # C subclasses (defaultdict) have no __dict__ to restore
+                        vars(out_d).update((yield from self.pairs(attrs)))
                 self.built[memo] = out_d
                 return out_d
             case SeqNode(memo, cls, items, proto, attrs):
@@ -148,7 +149,8 @@ class Rebuilder:
                     out_s = copy.copy(proto)
                     out_s.clear()
                     out_s.extend(values_l)
-                    vars(out_s).update((yield from self.pairs(attrs)))
+                    if attrs:
+                        vars(out_s).update((yield from self.pairs(attrs)))
                 elif hasattr(cls, "_make"):
                     out_s = cls._make(values_l)
                 else:

@@ -702,3 +702,48 @@ async def test_release_refuses_what_this_stager_never_staged() -> None:
         assert await stager.stage(source) is staged
     await stager.release(foreign)  # closed: buffers were let go already, nothing to do
     assert issubclass(EventLoopError, AstageError)
+
+
+class _NotedDefaultDict(collections.defaultdict):  # type: ignore[type-arg]
+    """A Python subclass of a C container: it has a ``__dict__``, its base has none."""
+
+
+class _IntList(list):  # type: ignore[type-arg]
+    __slots__ = ()  # no __dict__ at all
+
+
+def _c_subclass_containers() -> dict[str, Callable[[], Any]]:
+    def noted() -> Any:
+        d = _NotedDefaultDict(list, {"w": torch.arange(4.0)})
+        d.note = "kept"
+        return d
+
+    return {
+        "defaultdict": lambda: collections.defaultdict(list, {"w": torch.arange(4.0)}),
+        "nested defaultdict": lambda: collections.defaultdict(dict, {"m": {"w": torch.arange(4.0)}}),
+        "defaultdict subclass with attributes": noted,
+        "list subclass without __dict__": lambda: _IntList([torch.arange(4.0)]),
+    }
+
+
+def _only_tensor(container: Any) -> torch.Tensor:
+    item = next(iter(container.values())) if isinstance(container, dict) else container[0]
+    return item["w"] if isinstance(item, dict) else item
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("make", _c_subclass_containers().values(), ids=_c_subclass_containers())
+async def test_containers_without_a_dict_of_their_own_are_staged_faithfully(make: Callable[[], Any]) -> None:
+    # A defaultdict has no __dict__: staging one raised a bare TypeError from vars().
+    source = {"c": make()}
+    async with DefaultStager() as stager:
+        for _ in range(2):  # the first stage, then the refill of the released copy
+            staged = await stager.stage(source)
+            copy, original = staged["c"], source["c"]
+            assert type(copy) is type(original)
+            assert getattr(copy, "default_factory", None) == getattr(original, "default_factory", None)
+            assert getattr(copy, "__dict__", {}) == getattr(original, "__dict__", {})
+            got, want = _only_tensor(copy), _only_tensor(original)
+            assert torch.equal(got, want)
+            assert got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
+            await stager.release(staged)
