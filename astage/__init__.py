@@ -27,9 +27,16 @@ from ._errors import TransportError as TransportError
 from ._errors import UnsupportedInputError as UnsupportedInputError
 from ._events import wait_event as wait_event
 from ._options import StagingOptions as StagingOptions
+from ._persist import CheckpointFileInfo as CheckpointFileInfo
+
+# The first release's names for the file readers ("replica" named the format too): the
+# same objects, public and without a warning, so code written against them keeps working.
 from ._persist import ReplicaInfo as ReplicaInfo
 from ._persist import find_replicas as find_replicas
+from ._persist import inspect_checkpoint_file as inspect_checkpoint_file
 from ._persist import inspect_replica as inspect_replica
+from ._persist import load_checkpoint_file as load_checkpoint_file
+from ._persist import load_checkpoint_file_sync as load_checkpoint_file_sync
 from ._persist import load_replica as load_replica
 from ._persist import load_replica_sync as load_replica_sync
 from ._persist import sweep_stale_temps as sweep_stale_temps
@@ -72,6 +79,7 @@ __all__ = [
     "AsyncStager",
     "BlockingStager",
     "CapacityError",
+    "CheckpointFileInfo",
     "Checkpointer",
     "ClosedError",
     "ConfigurationError",
@@ -99,7 +107,10 @@ __all__ = [
     "UnsupportedInputError",
     "__version__",
     "find_replicas",
+    "inspect_checkpoint_file",
     "inspect_replica",
+    "load_checkpoint_file",
+    "load_checkpoint_file_sync",
     "load_replica",
     "load_replica_sync",
     "sweep_stale_temps",

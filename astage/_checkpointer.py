@@ -57,13 +57,13 @@ from ._errors import (
     PersistError,
     ResourceError,
 )
-from ._format import ReplicaHeader
+from ._format import FileHeader
 from ._frames import drop_frames
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
 from ._local_restore import ReplicaPlaces, restore_local
 from ._markers import Marker
-from ._persist import blocking_io, load_replica
+from ._persist import blocking_io, load_checkpoint_file
 from ._persisting import EventKind, Job, Persister
 from ._resource import AsyncResource
 from ._retention import Retention, scan
@@ -739,7 +739,7 @@ class Checkpointer(AsyncResource):
         marker = self._committed.get(step)
         return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places)
 
-    async def _load_local(self, step: int, path: Path, check: Callable[[ReplicaHeader], None]) -> Any:
+    async def _load_local(self, step: int, path: Path, check: Callable[[FileHeader], None]) -> Any:
         """Load ``path``, this rank's file of ``step``, never through a link.
 
         :raises PersistError: the step directory is a link or not a directory.
@@ -749,7 +749,7 @@ class Checkpointer(AsyncResource):
         opener = functools.partial(open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
         step_fd = await blocking_io(opener, limiter=self._limiter)
         try:
-            return await load_replica(path, limiter=self._limiter, check=check, dir_fd=step_fd)
+            return await load_checkpoint_file(path, limiter=self._limiter, check=check, dir_fd=step_fd)
         finally:
             with anyio.CancelScope(shield=True):
                 await blocking_io(os.close, step_fd, limiter=self._limiter)

@@ -1,6 +1,7 @@
-"""The replica format: one safe byte layout for the wire and the disk, pure.
+"""The checkpoint file format: one safe byte layout for the wire and the disk, pure.
 
-A replica is a staged state_dict as bytes::
+A checkpoint file is a staged state_dict as bytes (a replica, a peer's copy kept on this
+rank, is one such file)::
 
     MAGIC (8) | version u32 LE | header_len u64 LE | header (header_len bytes)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
@@ -75,7 +76,7 @@ from ._format_spec import PARSE_AMPLIFICATION as PARSE_AMPLIFICATION
 from ._format_spec import PARSE_SLACK as PARSE_SLACK
 from ._format_spec import READ_VERSIONS as READ_VERSIONS
 from ._format_spec import DTensorNote as DTensorNote
-from ._format_spec import ReplicaHeader as ReplicaHeader
+from ._format_spec import FileHeader as FileHeader
 from ._format_spec import Segment as Segment
 from ._gc import without_gc
 from ._header_tree import _HeaderParser, _reject_constant, _TreeEncoder, _unique_keys
@@ -97,7 +98,7 @@ _ZEROS = bytes(ALIGNMENT)
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-    """A staged state_dict laid out as a replica, ready to write or send.
+    """A staged state_dict laid out as a checkpoint file, ready to write or send.
 
     :ivar prefix: every byte before the body.
     :ivar segments: ``(body offset, uint8 CPU tensor)`` per storage, viewing the staged
@@ -106,17 +107,17 @@ class Encoded:
     :ivar body_nbytes: length of the body.
     :ivar layout: what it was encoded from, with ``crcs`` the storages' checksums: kept so
         that :meth:`relabel` can make the prefix for another rank without checksumming the
-        body again (``None`` for a replica received from a peer).
+        body again (``None`` for a file received from a peer).
     """
 
     prefix: bytes
     segments: Sequence[tuple[int, torch.Tensor]]
     body_nbytes: int
-    layout: ReplicaLayout | None = dataclasses.field(default=None, repr=False)
+    layout: FileLayout | None = dataclasses.field(default=None, repr=False)
     crcs: tuple[int, ...] = dataclasses.field(default=(), repr=False)
 
     def relabel(self, *, owner_rank: int, holder_rank: int | None) -> Encoded:
-        """The same replica, body shared, with these ranks in its header.
+        """The same file, body shared, with these ranks in its header.
 
         A save that goes to a local file and to a peer is encoded and checksummed once;
         only the prefix (small) is made again for the peer's copy.
@@ -130,7 +131,7 @@ class Encoded:
         return dataclasses.replace(self, prefix=layout.prefix(self.crcs), layout=layout)
 
     @functools.cached_property
-    def header(self) -> ReplicaHeader:
+    def header(self) -> FileHeader:
         """The header, exactly as a reader parses it.
 
         Parsed on first use, not by :func:`encode`: a sender needs only the bytes, and on
@@ -140,11 +141,11 @@ class Encoded:
 
     @property
     def total_nbytes(self) -> int:
-        """Length of the whole replica."""
+        """Length of the whole file."""
         return len(self.prefix) + self.body_nbytes
 
     def buffers(self, chunk_nbytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
-        """The whole replica, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
+        """The whole file, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
 
         Views alias the staged storages: they stay valid while those are not changed and
         this object lives (it holds the storages; the views may not).
@@ -247,8 +248,8 @@ def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ReplicaLayout:
-    """A staged state_dict checked and laid out as a replica: everything but the checksums.
+class FileLayout:
+    """A staged state_dict checked and laid out as a checkpoint file: everything but the checksums.
 
     :func:`lay_out` makes every check that can refuse a value; :meth:`encode` then only
     checksums the storages and joins the bytes.  Splitting the two lets a caller refuse
@@ -277,7 +278,7 @@ class ReplicaLayout:
 
     @without_gc
     def encode(self) -> Encoded:
-        """Checksum every storage and return the replica's bytes.
+        """Checksum every storage and return the file's bytes.
 
         CPU-bound, releases the GIL on large buffers; async callers run it in a worker thread.
         """
@@ -324,7 +325,7 @@ def lay_out(
     checkpoint_id: str,
     holder_rank: int | None = None,
     created: float | None = None,
-) -> ReplicaLayout:
+) -> FileLayout:
     """Check a staged (CPU) state_dict against the format and lay it out (see :func:`encode`).
 
     Walks the tree once; pure Python, no checksums: tens of milliseconds for 20,000
@@ -335,7 +336,7 @@ def lay_out(
     """
     created = float(time.time() if created is None else created)
     _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
-    planner = _ReplicaPlanner()
+    planner = _FilePlanner()
     root = drive(planner.walk(staged_state_dict, ()))
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
     tree_encoder = _TreeEncoder(plan)
@@ -355,7 +356,7 @@ def lay_out(
         {"dtensors": dtensors, "tree": tree}, ensure_ascii=True, allow_nan=False, separators=(",", ":")
     )[1:-1]
     table, dims = _tensor_table(plan.tensors)
-    layout = ReplicaLayout(
+    layout = FileLayout(
         owner_rank=owner_rank,
         holder_rank=holder_rank,
         step=step,
@@ -375,7 +376,7 @@ def lay_out(
     return layout
 
 
-def _check_widest_header(layout: ReplicaLayout) -> None:
+def _check_widest_header(layout: FileLayout) -> None:
     """Check the longest header ``layout``'s metadata can make (the widest ranks; checksums
     are fixed-size) against the cap, so that encode() and relabel() cannot fail on it later."""
     widest = dataclasses.replace(layout, owner_rank=_RANK_LIMIT - 1, holder_rank=_RANK_LIMIT - 1)
@@ -383,7 +384,7 @@ def _check_widest_header(layout: ReplicaLayout) -> None:
     _check_header_len(sum(map(len, parts)) + spaces)
 
 
-class ReplicaMeta(TypedDict):
+class FileMeta(TypedDict):
     """The metadata keywords of :func:`encode` and :func:`lay_out`, written once."""
 
     owner_rank: int
@@ -393,15 +394,15 @@ class ReplicaMeta(TypedDict):
     created: NotRequired[float | None]
 
 
-def encode(staged_state_dict: Any, **meta: Unpack[ReplicaMeta]) -> Encoded:
-    """Lay out a staged (CPU) state_dict as a replica.
+def encode(staged_state_dict: Any, **meta: Unpack[FileMeta]) -> Encoded:
+    """Lay out a staged (CPU) state_dict as a checkpoint file.
 
     Checksums every storage: CPU-bound, releases the GIL on large buffers; async callers
     run it in a worker thread.  The result views the staged storages, so they must not
-    change until the replica is written or sent.  :func:`lay_out` plus
-    :meth:`ReplicaLayout.encode`.
+    change until the file is written or sent.  :func:`lay_out` plus
+    :meth:`FileLayout.encode`.
 
-    A replica holds dicts, OrderedDicts, lists, tuples and namedtuples of: tensors and
+    A checkpoint file holds dicts, OrderedDicts, lists, tuples and namedtuples of: tensors and
     Parameters (CPU, allow-listed dtypes), numpy arrays and scalars of
     :data:`NUMPY_DTYPES`, ``None``, bools, ints, floats, complex numbers, strs, bytes,
     ``torch.Size``, ``torch.dtype`` and ``torch.device`` (see ``docs/format.md``).
@@ -415,7 +416,7 @@ def encode(staged_state_dict: Any, **meta: Unpack[ReplicaMeta]) -> Encoded:
     return lay_out(staged_state_dict, **meta).encode()
 
 
-class _ReplicaPlanner(_Planner):
+class _FilePlanner(_Planner):
     """The planner of :func:`lay_out`: strict, CPU only, numpy arrays and scalars as leaves.
 
     A numpy array becomes a tensor entry of kind ``ndarray`` over its own storage: the
@@ -441,11 +442,13 @@ class _ReplicaPlanner(_Planner):
             return known
         if _NUMPY_NAMES.get((x.dtype.kind, x.dtype.itemsize)) is None or x.dtype.fields is not None:
             raise UnsupportedInputError(
-                path, f"numpy dtype {x.dtype} cannot be stored in a replica (only {', '.join(NUMPY_DTYPES)})"
+                path,
+                f"numpy dtype {x.dtype} cannot be stored in a checkpoint file "
+                f"(only {', '.join(NUMPY_DTYPES)})",
             )
         if x.ndim > MAX_NDIM:
             raise UnsupportedInputError(
-                path, f"{x.ndim} dimensions, the replica format holds at most {MAX_NDIM}"
+                path, f"{x.ndim} dimensions, the checkpoint file format holds at most {MAX_NDIM}"
             )
         data = x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
         if not ((data.flags.c_contiguous or data.flags.f_contiguous) and data.flags.writeable):
@@ -480,7 +483,7 @@ def _check_meta(
 def _check_header_len(nbytes: int) -> None:
     if nbytes > HEADER_CAP:
         raise UnsupportedInputError(
-            (), f"the replica header would be {nbytes} bytes, over the {HEADER_CAP}-byte cap"
+            (), f"the checkpoint file header would be {nbytes} bytes, over the {HEADER_CAP}-byte cap"
         )
 
 
@@ -512,13 +515,16 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
     :raises IntegrityError: fewer than 20 bytes, wrong magic or version, header too long.
     """
     if len(fixed) < FIXED_PREFIX_NBYTES:
-        raise IntegrityError(f"truncated: {len(fixed)} bytes, a replica starts with {FIXED_PREFIX_NBYTES}")
+        raise IntegrityError(
+            f"truncated: {len(fixed)} bytes, a checkpoint file starts with {FIXED_PREFIX_NBYTES}"
+        )
     magic, version, header_len = _FIXED.unpack(bytes(fixed[:FIXED_PREFIX_NBYTES]))
     if magic != MAGIC:
-        raise IntegrityError(f"not an astage replica: magic {magic!r}")
+        raise IntegrityError(f"not an astage checkpoint file: magic {magic!r}")
     if version not in READ_VERSIONS:
         raise IntegrityError(
-            f"unsupported replica format version {version} (this astage reads {sorted(READ_VERSIONS)})"
+            f"unsupported checkpoint file format version {version} "
+            f"(this astage reads {sorted(READ_VERSIONS)})"
         )
     if header_len > HEADER_CAP:
         raise IntegrityError(f"header length {header_len} is over the {HEADER_CAP}-byte cap")
@@ -526,8 +532,8 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
 
 
 @without_gc
-def parse_prefix(data: bytes | bytearray | memoryview) -> ReplicaHeader:
-    """Validate a replica's prefix and return its header; bytes after the prefix are ignored.
+def parse_prefix(data: bytes | bytearray | memoryview) -> FileHeader:
+    """Validate a checkpoint file's prefix and return its header; bytes after the prefix are ignored.
 
     :raises IntegrityError: truncated, corrupt, tampered or malformed in any way.
     """
@@ -578,7 +584,7 @@ class BodyVerifier:
     thread.
     """
 
-    def __init__(self, header: ReplicaHeader) -> None:
+    def __init__(self, header: FileHeader) -> None:
         self.header = header
         self.nbytes = 0
         self._index = 0  # the storage whose bytes come next
@@ -636,7 +642,7 @@ class BodyVerifier:
             self._index, self._crc = index, crc
 
 
-def verify_body(header: ReplicaHeader, body: torch.Tensor) -> None:
+def verify_body(header: FileHeader, body: torch.Tensor) -> None:
     """Check that ``body`` is exactly the body ``header`` describes: length, zero gaps, crcs.
 
     CPU-bound (checksums); async callers run it in a worker thread.
@@ -695,12 +701,12 @@ def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Sequence[Segment]) ->
 
 
 @without_gc
-def decode(header: ReplicaHeader, body: torch.Tensor) -> Any:
+def decode(header: FileHeader, body: torch.Tensor) -> Any:
     """Verify ``body`` against ``header`` and rebuild the state_dict over it.
 
     Each storage becomes its own exactly-sized storage viewing ``body``'s memory (no copy),
     so ``body`` stays alive while any returned tensor does.  DTensors come back as their
-    local tensor (a plain Tensor); :attr:`ReplicaHeader.dtensors` says what they were.
+    local tensor (a plain Tensor); :attr:`FileHeader.dtensors` says what they were.
 
     :param body: a contiguous 1-D uint8 CPU tensor of ``header.body_nbytes`` bytes.
     :raises IntegrityError: the body does not match the header.
@@ -716,3 +722,8 @@ def decode(header: ReplicaHeader, body: torch.Tensor) -> Any:
         return rebuild(header.plan, storages)
     except RuntimeError as exc:  # pragma: no cover - the header checks should make this unreachable
         raise IntegrityError(f"cannot rebuild the tensors the header describes: {exc}") from exc
+
+
+# The names of the first release (see astage._persist): the same objects.
+ReplicaHeader = FileHeader
+ReplicaLayout = FileLayout

@@ -1,4 +1,4 @@
-"""The replica format's vocabulary: its version, limits, dtype allow-list and header records.
+"""The checkpoint file format's vocabulary: its version, limits, dtype allow-list and header records.
 
 Every other format module (:mod:`astage._format` and the modules it is built from) takes
 its constants from here, so a limit is written once: what the encoder refuses and what the
@@ -19,7 +19,7 @@ from ._errors import IntegrityError
 from ._plan import StagePlan
 
 MAGIC: Final = b"ASTAGE\x00R"
-"""First 8 bytes of every replica."""
+"""First 8 bytes of every checkpoint file."""
 
 FORMAT_VERSION: Final = 3
 """The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
@@ -93,7 +93,7 @@ NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
         *("float16", "float32", "float64", "complex64", "complex128"),
     )
 }
-"""numpy dtypes of the arrays and scalars a replica holds (each is also a torch dtype)."""
+"""numpy dtypes of the arrays and scalars a checkpoint file holds (each is also a torch dtype)."""
 
 _NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
 
@@ -122,8 +122,8 @@ class DTensorNote:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaHeader:
-    """A validated replica header.
+class FileHeader:
+    """A validated checkpoint file header.
 
     :ivar owner_rank: the rank whose state this is.
     :ivar holder_rank: the rank that keeps this copy, where the encoder said so.
@@ -151,12 +151,12 @@ class ReplicaHeader:
 
     @property
     def num_tensors(self) -> int:
-        """Distinct tensors in the replica (a tensor referenced twice counts once)."""
+        """Distinct tensors in the file (a tensor referenced twice counts once)."""
         return len(self.plan.tensors)
 
     @property
     def total_nbytes(self) -> int:
-        """Length of the whole replica: prefix plus body."""
+        """Length of the whole file: prefix plus body."""
         return self.prefix_nbytes + self.body_nbytes
 
 

@@ -1,8 +1,8 @@
-"""The replica header's JSON: the tree encoder and the strict header parser.
+"""The checkpoint file header's JSON: the tree encoder and the strict header parser.
 
 :class:`_TreeEncoder` turns plan nodes into the JSON tree (docs/format.md) and refuses what
 a reader would refuse; :class:`_HeaderParser` turns the header's JSON (and, from version 3,
-its checked binary tables, :mod:`astage._tensor_table`) back into a :class:`ReplicaHeader`,
+its checked binary tables, :mod:`astage._tensor_table`) back into a :class:`FileHeader`,
 checking every field and charging the parse bound (:mod:`astage._parse_bound`) as it goes.
 Leaves are rebuilt from an explicit list of tags; nothing is imported or evaluated by name.
 Pure: no file, socket or thread.
@@ -31,7 +31,7 @@ from ._format_spec import (
     MAX_NDIM,
     NUMPY_DTYPES,
     DTensorNote,
-    ReplicaHeader,
+    FileHeader,
     Segment,
     _align,
     _fail,
@@ -105,7 +105,7 @@ def _scalar(value: Any) -> Any:
     if cls is float and not math.isfinite(value):
         return ["float", "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")]
     if cls is int and value.bit_length() > _INT_BITS_CAP:
-        raise ValueError(f"int of {value.bit_length()} bits is too large for a replica header")
+        raise ValueError(f"int of {value.bit_length()} bits is too large for a checkpoint file header")
     if cls not in _SCALARS:
         raise TypeError(f"{cls.__qualname__} is not JSON-representable")
     return value
@@ -130,7 +130,7 @@ def _leaf(value: Any) -> Any:
     if cls is torch.dtype:
         name = _TORCH_DTYPE_LEAF_NAMES.get(value)
         if name is None:
-            raise ValueError(f"{value} is not a dtype a replica can name")
+            raise ValueError(f"{value} is not a dtype a checkpoint file can name")
         return ["dtype", name]
     if cls is torch.device:
         return ["device", value.type, value.index]
@@ -140,7 +140,7 @@ def _leaf(value: Any) -> Any:
             raise TypeError(f"numpy {value.dtype} scalars are not stored (only {', '.join(NUMPY_DTYPES)})")
         little = NUMPY_DTYPES[name].newbyteorder("<")
         return ["numpy", name, int.from_bytes(np.asarray(value, dtype=little).tobytes(), "little")]
-    raise TypeError(f"{cls.__qualname__} is not a value a replica holds")
+    raise TypeError(f"{cls.__qualname__} is not a value a checkpoint file holds")
 
 
 def _attr_name_ok(name: object) -> bool:
@@ -170,7 +170,7 @@ class _TreeEncoder:
 
     It refuses everything the reader (:class:`_HeaderParser`) would refuse in an honest
     header (too many dimensions, several NaN keys in one dict, namedtuple names that are not
-    identifiers), so that a replica that leaves :func:`encode` always parses: a peer that
+    identifiers), so that a file that leaves :func:`encode` always parses: a peer that
     could not parse it would have to abort the transfer and break the process group.
     """
 
@@ -189,14 +189,17 @@ class _TreeEncoder:
                 try:
                     return _leaf(value)
                 except (TypeError, ValueError) as exc:
-                    raise UnsupportedInputError(path, f"cannot be stored in a replica: {exc}") from exc
+                    raise UnsupportedInputError(
+                        path, f"cannot be stored in a checkpoint file: {exc}"
+                    ) from exc
             case RefNode(memo):
                 return ["ref", self.memo[memo]]
             case DictNode(memo, keys, values, proto, attrs):
                 if proto is not None and type(proto) is not collections.OrderedDict:
                     raise UnsupportedInputError(
                         path,
-                        f"{type(proto).__qualname__} cannot be stored in a replica (only dict, OrderedDict)",
+                        f"{type(proto).__qualname__} cannot be stored in a checkpoint file "
+                        "(only dict, OrderedDict)",
                     )
                 self._check_depth(path, depth)
                 json_keys = self._keys(keys, path)
@@ -216,7 +219,8 @@ class _TreeEncoder:
                 if (cls not in (list, tuple) and fields is None) or proto is not None or attrs:
                     raise UnsupportedInputError(
                         path,
-                        f"{cls.__qualname__} cannot be stored in a replica (only list, tuple, namedtuple)",
+                        f"{cls.__qualname__} cannot be stored in a checkpoint file "
+                        "(only list, tuple, namedtuple)",
                     )
                 if fields is not None:
                     self._check_namedtuple(cls, fields, len(items), path)
@@ -230,7 +234,7 @@ class _TreeEncoder:
                 what = value.__qualname__ if isinstance(value, type) else type(value).__qualname__
                 raise UnsupportedInputError(
                     path,
-                    f"{what} cannot be stored in a replica (only tensors, numpy arrays, containers "
+                    f"{what} cannot be stored in a checkpoint file (only tensors, numpy arrays, containers "
                     "and plain values: see docs/format.md)",
                 )
         raise AssertionError(f"unknown plan node {n!r}")  # pragma: no cover
@@ -286,7 +290,7 @@ class _TreeEncoder:
                 _namedtuple_class(cls.__name__, fields)
             except (ValueError, TypeError) as exc:
                 raise UnsupportedInputError(
-                    path, f"{cls.__qualname__} cannot be stored in a replica: {exc}"
+                    path, f"{cls.__qualname__} cannot be stored in a checkpoint file: {exc}"
                 ) from exc
             self.namedtuples.add((cls.__name__, fields))
             self.charged += _COST_NAMEDTUPLE + 256 * len(fields)
@@ -296,19 +300,21 @@ class _TreeEncoder:
     @staticmethod
     def _check_tensor(spec: TensorSpec, path: KeyPath) -> None:
         if spec.dtype not in _DTYPE_NAMES:
-            raise UnsupportedInputError(path, f"dtype {spec.dtype} is not in the replica format's allow-list")
+            raise UnsupportedInputError(
+                path, f"dtype {spec.dtype} is not in the checkpoint file format's allow-list"
+            )
         if len(spec.size) > MAX_NDIM:
             raise UnsupportedInputError(
-                path, f"{len(spec.size)} dimensions, the replica format holds at most {MAX_NDIM}"
+                path, f"{len(spec.size)} dimensions, the checkpoint file format holds at most {MAX_NDIM}"
             )
         if spec.attrs is not None:
             raise UnsupportedInputError(
-                path, "tensors carrying Python attributes cannot be stored in a replica"
+                path, "tensors carrying Python attributes cannot be stored in a checkpoint file"
             )
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed in a replica header")
+    raise ValueError(f"{name} is not allowed in a checkpoint file header")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -438,7 +444,7 @@ class _Specs(NamedTuple):
 
 
 class _HeaderParser:
-    """Header JSON to :class:`ReplicaHeader`, checking every field."""
+    """Header JSON to :class:`FileHeader`, checking every field."""
 
     def __init__(self, prefix_len: int, version: int, budget: int, tables: _Tables | None = None) -> None:
         self.prefix_len = prefix_len
@@ -449,7 +455,7 @@ class _HeaderParser:
         self.paths: list[KeyPath | None] = []
         self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
 
-    def parse(self, doc: Any) -> ReplicaHeader:
+    def parse(self, doc: Any) -> FileHeader:
         if self.tables is not None:
             doc = _object(doc, "document", _DOC_KEYS_V3)
             if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
@@ -479,7 +485,7 @@ class _HeaderParser:
             shared[nbytes] = StorageSpec(nbytes, _CPU)
         storages = tuple(map(shared.__getitem__, [s.nbytes for s in segments]))
         plan = StagePlan(specs.root, specs.tensors, storages)
-        return ReplicaHeader(
+        return FileHeader(
             owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
             holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
             step=_int(doc["step"], "step", -_INT64),

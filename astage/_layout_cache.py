@@ -1,7 +1,7 @@
 """Laying out a staged copy once per structure, not once per save.
 
 :func:`astage._format.lay_out` walks the whole staged tree (about 8 us a tensor) to check it
-against the replica format and lay it out, and ``Checkpointer.save`` must do that before it
+against the checkpoint file format and lay it out, and ``Checkpointer.save`` must do that before it
 returns, so that what the format cannot store is refused there, with its key path.  But a
 training job saves the same structure again and again, and with :class:`DefaultStager` the
 staged copy is the very same tree, refilled in place.
@@ -34,7 +34,7 @@ from typing import Any, Final
 import anyio
 import torch
 
-from ._format import HEADER_CAP, ReplicaLayout, lay_out
+from ._format import HEADER_CAP, FileLayout, lay_out
 from ._limits import INT64, RANK_LIMIT
 from ._match import FastPlan, iter_fast_plan, iter_match
 from ._plan import iter_plan
@@ -56,7 +56,7 @@ class _Kept:
     """A layout with what proves that a later staged tree has the same one."""
 
     fast: FastPlan
-    layout: ReplicaLayout
+    layout: FileLayout
     """Laid out for the staged tree ``fast`` was planned from; its ``storages`` dropped."""
     firsts: tuple[int, ...]
     """For each storage of the layout, the plan position of the first tensor viewing it."""
@@ -71,11 +71,11 @@ class PendingLayout:
     It holds the staged tensors: drop it with the staged copy.
     """
 
-    layout: ReplicaLayout
+    layout: FileLayout
     sources: list[torch.Tensor]
     firsts: tuple[int, ...]
 
-    async def complete(self) -> ReplicaLayout:
+    async def complete(self) -> FileLayout:
         """The layout with the staged tree's storages (time-sliced on the loop)."""
         storages = await run_steps(_storages(self.sources, self.firsts))
         self.sources = []
@@ -105,7 +105,7 @@ class LayoutCache:
 
     async def lay_out(
         self, staged: Any, *, step: int, checkpoint_id: str, limiter: anyio.CapacityLimiter | None
-    ) -> ReplicaLayout | PendingLayout:
+    ) -> FileLayout | PendingLayout:
         """Lay out ``staged`` as :func:`astage._format.lay_out` would.
 
         :returns: a new layout (worth :meth:`keep`-ing), or the kept one for this save,
@@ -125,7 +125,7 @@ class LayoutCache:
         )
         return await run_sync(call, limiter=limiter)
 
-    async def keep(self, staged: Any, layout: ReplicaLayout, limiter: anyio.CapacityLimiter | None) -> None:
+    async def keep(self, staged: Any, layout: FileLayout, limiter: anyio.CapacityLimiter | None) -> None:
         """Keep ``layout`` (made by ``lay_out`` for ``staged``) for later trees of its structure.
 
         Meant for the background: it plans ``staged`` (about as long as ``lay_out``).  A tree
@@ -152,7 +152,7 @@ class LayoutCache:
             self._kept = kept
 
 
-def _plan_kept(staged: Any, layout: ReplicaLayout) -> Steps[_Kept | None]:
+def _plan_kept(staged: Any, layout: FileLayout) -> Steps[_Kept | None]:
     """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
     source = yield from iter_plan(staged)
     if len(source.plan.tensors) != layout.num_tensors or [s._cdata for s in source.storages] != [

@@ -19,14 +19,14 @@ from typing import Any
 import anyio
 
 from ._errors import IntegrityError, ResourceError
-from ._format import ReplicaHeader
+from ._format import FileHeader
 from ._markers import Marker, header_check
-from ._persist import blocking_io, find_replicas, load_replica
+from ._persist import blocking_io, find_replicas, load_checkpoint_file
 
 # The Checkpointer's logger: splitting the module changes nothing users configure.
 log = logging.getLogger("astage.checkpointer")
 
-LoadOwn = Callable[[Path, Callable[[ReplicaHeader], None]], Awaitable[Any]]
+LoadOwn = Callable[[Path, Callable[[FileHeader], None]], Awaitable[Any]]
 """Loads this rank's own file of the step, checking its header first."""
 
 
@@ -65,7 +65,7 @@ async def restore_local(
     for path in await _replica_candidates(step, rank, places, problems):
         check = header_check(path, step=step, rank=rank, checkpoint_id=checkpoint_id, entry=None)
         try:
-            state = await load_replica(path, limiter=places.limiter, check=check)
+            state = await load_checkpoint_file(path, limiter=places.limiter, check=check)
         except (IntegrityError, OSError) as exc:
             log.warning("replica %s is unusable: %s", path, exc)
             problems.append(str(exc))

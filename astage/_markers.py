@@ -23,9 +23,9 @@ import crc32c
 
 from ._directory import rank_file_names
 from ._errors import IntegrityError
-from ._format import ReplicaHeader
+from ._format import FileHeader
 from ._limits import INT64, RANK_LIMIT
-from ._persist import inspect_replica, load_replica_sync, open_regular
+from ._persist import inspect_checkpoint_file, load_checkpoint_file_sync, open_regular
 
 MARKER_FORMAT: Final = "astage-checkpoint"
 """The ``format`` field of every commit marker."""
@@ -71,7 +71,7 @@ def marker_crc32c(body: dict[str, Any]) -> int:
     return int(crc32c.crc32c(canonical.encode("ascii")))
 
 
-def storages_crc32c(header: ReplicaHeader) -> int:
+def storages_crc32c(header: FileHeader) -> int:
     """A checksum of a replica's storage table (offsets, lengths and their crc32c)."""
     table = b"".join(struct.pack("<QQI", s.offset, s.nbytes, s.crc32c) for s in header.segments)
     return int(crc32c.crc32c(struct.pack("<Q", header.body_nbytes) + table))
@@ -167,11 +167,11 @@ def read_marker(path: str | os.PathLike[str], *, step: int, rank: int, dir_fd: i
 
 def header_check(
     path: Path, *, step: int, rank: int, checkpoint_id: str | None, entry: FileEntry | None
-) -> Callable[[ReplicaHeader], None]:
+) -> Callable[[FileHeader], None]:
     """A check that a checkpoint file's header is ``rank``'s ``step`` (and, given, the
     marker's checkpoint and file entry), run before its body is read."""
 
-    def check(header: ReplicaHeader) -> None:
+    def check(header: FileHeader) -> None:
         if header.step != step or header.owner_rank != rank:
             raise IntegrityError(
                 f"{path} holds step {header.step} of rank {header.owner_rank}, not step {step} of rank {rank}"
@@ -197,7 +197,7 @@ def check_committed(
     storage checksums); with it every byte is read and every checksum verified, as
     :meth:`astage.Checkpointer.restore` would.
 
-    :param on_read: passed to :func:`~astage._persist.load_replica_sync` (progress).
+    :param on_read: passed to :func:`~astage._persist.load_checkpoint_file_sync` (progress).
     :raises IntegrityError: a file does not match its marker or is corrupt.
     :raises OSError: a file is missing or cannot be read.
     """
@@ -206,6 +206,6 @@ def check_committed(
         check = header_check(
             path, step=marker.step, rank=marker.rank, checkpoint_id=marker.checkpoint_id, entry=entry
         )
-        check(inspect_replica(path).header)
+        check(inspect_checkpoint_file(path).header)
         if verify:
-            load_replica_sync(path, on_read=on_read)
+            load_checkpoint_file_sync(path, on_read=on_read)

@@ -1,4 +1,4 @@
-"""The parse bound: what parsing a replica header may allocate, counted before it is parsed.
+"""The parse bound: what parsing a checkpoint file header may allocate, counted before it is parsed.
 
 A reader refuses a header that could need more than :data:`PARSE_AMPLIFICATION` times its
 length (plus :data:`PARSE_SLACK`), from a count of its tokens made at C speed; the

@@ -55,7 +55,7 @@ from ._errors import ClosedError, ConfigurationError, IntegrityError, PersistErr
 from ._format import (
     FIXED_PREFIX_NBYTES,
     Encoded,
-    ReplicaHeader,
+    FileHeader,
     byte_view,
     decode,
     parse_prefix,
@@ -72,13 +72,13 @@ log = logging.getLogger("astage.persist")
 CHUNK_NBYTES: Final = CHUNK_BYTES
 """Most bytes one worker-thread call reads or writes: bounds how late cancellation lands."""
 
-REPLICA_SUFFIX: Final = ".astage"
+FILE_SUFFIX: Final = ".astage"
 """File name suffix of every replica :func:`find_replicas` looks at."""
 
 _TEMP_RE: Final = re.compile(r"\A\..+\.astage-tmp\.[0-9a-f]{32}\Z", re.DOTALL)
 
 BytesLike = bytes | bytearray | memoryview
-"""A buffer :class:`ReplicaWriter` accepts."""
+"""A buffer :class:`CheckpointFileWriter` accepts."""
 
 _Step = Literal["open", "write", "fsync", "close", "replace", "dir-fsync"]
 
@@ -95,7 +95,7 @@ def replica_path(
     name = f"replica-owner{owner_rank:05d}-holder{holder_rank:05d}"
     if step is not None:
         name += f"-step{step:010d}"
-    return Path(storage_dir) / f"{name}{REPLICA_SUFFIX}"
+    return Path(storage_dir) / f"{name}{FILE_SUFFIX}"
 
 
 def temp_path_for(path: Path) -> Path:
@@ -311,12 +311,12 @@ def _batches(data: BytesLike | Iterable[BytesLike], chunk_nbytes: int) -> Iterat
         yield batch
 
 
-class ReplicaWriter(AsyncResource):
+class CheckpointFileWriter(AsyncResource):
     """Stream bytes into a temp file next to ``path``; :meth:`commit` makes them durable there.
 
     ::
 
-        async with ReplicaWriter(path) as writer:
+        async with CheckpointFileWriter(path) as writer:
             async for chunk in receive():
                 await writer.write(chunk)
             await writer.commit()
@@ -375,7 +375,7 @@ class ReplicaWriter(AsyncResource):
         :raises ClosedError: already opened, committed or discarded.
         """
         if self._state != "new":
-            raise ClosedError(f"ReplicaWriter for {self.path} was already opened")
+            raise ClosedError(f"CheckpointFileWriter for {self.path} was already opened")
         self._state = "open"
         self._started = time.perf_counter()
         self._dir_fd, self._fd = await self._run("open", _create_temp, self._open_dir, self.temp_path.name)
@@ -384,7 +384,7 @@ class ReplicaWriter(AsyncResource):
     def _check_open(self) -> int:
         if self._state != "open" or self._fd is None:
             raise ClosedError(
-                f"ReplicaWriter for {self.path} is not open (committed, discarded or never opened)"
+                f"CheckpointFileWriter for {self.path} is not open (committed, discarded or never opened)"
             )
         return self._fd
 
@@ -458,7 +458,7 @@ class ReplicaWriter(AsyncResource):
             )
 
 
-async def write_replica(
+async def write_checkpoint_file(
     path: str | os.PathLike[str],
     replica: Encoded | Iterable[BytesLike],
     *,
@@ -469,13 +469,15 @@ async def write_replica(
     """Write a replica durably at ``path``, atomically replacing any previous one.
 
     :param replica: an :class:`Encoded` replica, or its bytes as buffers in order.
-    :param open_dir: opens ``path``'s directory (see :class:`ReplicaWriter`).
+    :param open_dir: opens ``path``'s directory (see :class:`CheckpointFileWriter`).
     :returns: the final path.
     :raises PersistError: a step failed (named in the message); the previous replica is
         intact (unless only the final directory fsync failed) and no temp file is left.
     """
     buffers = replica.buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
-    async with ReplicaWriter(path, limiter=limiter, chunk_nbytes=chunk_nbytes, open_dir=open_dir) as writer:
+    async with CheckpointFileWriter(
+        path, limiter=limiter, chunk_nbytes=chunk_nbytes, open_dir=open_dir
+    ) as writer:
         await writer.write(buffers)
         return await writer.commit()
 
@@ -524,7 +526,7 @@ def sweep_stale_temps(directory: str | os.PathLike[str], *, older_than: float = 
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaInfo:
+class CheckpointFileInfo:
     """A replica file found on disk (only its prefix was read and validated).
 
     :ivar mtime: when the file was last written here (this machine's clock).
@@ -539,7 +541,7 @@ class ReplicaInfo:
     created: float
     nbytes: int
     mtime: float
-    header: ReplicaHeader = dataclasses.field(repr=False)
+    header: FileHeader = dataclasses.field(repr=False)
 
 
 _FILE_KINDS: Final = (
@@ -595,7 +597,7 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None, fla
     return fd
 
 
-class _ReplicaFile:
+class _CheckpointFile:
     """Blocking steps over one open replica file; run inline or in worker threads."""
 
     def __init__(self, path: Path, dir_fd: int | None = None) -> None:
@@ -612,7 +614,7 @@ class _ReplicaFile:
             raise IntegrityError(f"truncated: {len(data)} of {n} bytes at offset {offset}")
         return data
 
-    def header(self) -> tuple[ReplicaHeader, os.stat_result]:
+    def header(self) -> tuple[FileHeader, os.stat_result]:
         """Read and validate the prefix; check the file is exactly prefix plus body."""
         st = os.fstat(self.fd)
         try:
@@ -639,24 +641,24 @@ class _ReplicaFile:
             view = view[n:]
             offset += n
 
-    def decode(self, header: ReplicaHeader, body: torch.Tensor) -> Any:
+    def decode(self, header: FileHeader, body: torch.Tensor) -> Any:
         try:
             return decode(header, body)
         except IntegrityError as exc:
             raise IntegrityError(f"{self.path}: {exc}") from exc
 
 
-def _chunks(header: ReplicaHeader, body: torch.Tensor) -> Iterator[tuple[memoryview, int]]:
+def _chunks(header: FileHeader, body: torch.Tensor) -> Iterator[tuple[memoryview, int]]:
     view = byte_view(body)
     for start in range(0, len(view), CHUNK_NBYTES):
         yield view[start : start + CHUNK_NBYTES], header.prefix_nbytes + start
 
 
-async def load_replica(
+async def load_checkpoint_file(
     path: str | os.PathLike[str],
     *,
     limiter: anyio.CapacityLimiter | None = None,
-    check: Callable[[ReplicaHeader], None] | None = None,
+    check: Callable[[FileHeader], None] | None = None,
     dir_fd: int | None = None,
 ) -> Any:
     """Read, validate and rebuild the state_dict stored at ``path`` (tensors on the CPU).
@@ -672,7 +674,7 @@ async def load_replica(
         tampered anywhere; or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(_ReplicaFile, Path(path), dir_fd, limiter=limiter)
+    f = await blocking_io(_CheckpointFile, Path(path), dir_fd, limiter=limiter)
     try:
         header, _ = await blocking_io(f.header, limiter=limiter)
         if check is not None:
@@ -686,16 +688,19 @@ async def load_replica(
             await blocking_io(f.close, limiter=limiter)
 
 
-def load_replica_sync(path: str | os.PathLike[str], *, on_read: Callable[[int], None] | None = None) -> Any:
-    """Blocking :func:`load_replica`, for scripts and the CLI.
+def load_checkpoint_file_sync(
+    path: str | os.PathLike[str], *, on_read: Callable[[int], None] | None = None
+) -> Any:
+    """Blocking :func:`load_checkpoint_file`, for scripts and the CLI.
 
     :param on_read: called with the byte count of each chunk of the body once read (a
-        progress bar's ``advance``); the body's length is ``inspect_replica(path).header.body_nbytes``.
+        progress bar's ``advance``); the body's length is
+        ``inspect_checkpoint_file(path).header.body_nbytes``.
     :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt; or
         it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = _ReplicaFile(Path(path))
+    f = _CheckpointFile(Path(path))
     try:
         header, _ = f.header()
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
@@ -708,19 +713,19 @@ def load_replica_sync(path: str | os.PathLike[str], *, on_read: Callable[[int], 
         f.close()
 
 
-def inspect_replica(path: str | os.PathLike[str]) -> ReplicaInfo:
+def inspect_checkpoint_file(path: str | os.PathLike[str]) -> CheckpointFileInfo:
     """Read and validate a replica's prefix (header), without reading its body.
 
     :raises IntegrityError: the prefix is invalid, or the file's size does not match it;
         or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = _ReplicaFile(Path(path))
+    f = _CheckpointFile(Path(path))
     try:
         header, st = f.header()
     finally:
         f.close()
-    return ReplicaInfo(
+    return CheckpointFileInfo(
         path=Path(path),
         owner_rank=header.owner_rank,
         holder_rank=header.holder_rank,
@@ -733,23 +738,34 @@ def inspect_replica(path: str | os.PathLike[str]) -> ReplicaInfo:
     )
 
 
-def find_replicas(storage_dir: str | os.PathLike[str]) -> list[ReplicaInfo]:
+def find_replicas(storage_dir: str | os.PathLike[str]) -> list[CheckpointFileInfo]:
     """List the valid replicas in ``storage_dir``, newest first (by mtime, then ``created``).
 
     Looks at regular files named ``*.astage`` (not temps, not symlinks) and reads only
     their prefixes.  Files that fail validation (corrupt, truncated, foreign) are skipped
-    with a warning on the ``astage.persist`` logger; :func:`load_replica` on one says why.
+    with a warning on the ``astage.persist`` logger; :func:`load_checkpoint_file` on one says why.
 
     :returns: ``[]`` when the directory does not exist.
     :raises OSError: the directory cannot be listed.
     """
-    found: list[ReplicaInfo] = []
+    found: list[CheckpointFileInfo] = []
     for entry in _entries(storage_dir):
-        if not entry.name.endswith(REPLICA_SUFFIX) or not entry.is_file(follow_symlinks=False):
+        if not entry.name.endswith(FILE_SUFFIX) or not entry.is_file(follow_symlinks=False):
             continue
         try:
-            found.append(inspect_replica(entry.path))
+            found.append(inspect_checkpoint_file(entry.path))
         except (IntegrityError, OSError) as exc:
             log.warning("skipping an invalid replica: %s", exc)
     found.sort(key=lambda r: (r.mtime, r.created, str(r.path)), reverse=True)
     return found
+
+
+# The names of the first release, when "replica" named the file format too.  They stay, as
+# the very same objects and without a warning, so code written against them keeps working.
+ReplicaInfo = CheckpointFileInfo
+ReplicaWriter = CheckpointFileWriter
+REPLICA_SUFFIX = FILE_SUFFIX
+load_replica = load_checkpoint_file
+load_replica_sync = load_checkpoint_file_sync
+inspect_replica = inspect_checkpoint_file
+write_replica = write_checkpoint_file

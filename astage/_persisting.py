@@ -24,11 +24,11 @@ import anyio
 
 from ._directory import rank_file_names, step_dir_name, step_dir_opener
 from ._errors import AstageError
-from ._format import Encoded, ReplicaLayout
+from ._format import Encoded, FileLayout
 from ._frames import drop_frames, frames_dropped
 from ._layout_cache import LayoutCache, PendingLayout
 from ._markers import FileEntry, Marker, storages_crc32c
-from ._persist import blocking_io, write_replica
+from ._persist import blocking_io, write_checkpoint_file
 from ._retention import discard_uncommitted
 from ._stager import AsyncStager, StageStats
 from ._threads import run_sync
@@ -56,7 +56,7 @@ class Job:
     stage_stats: StageStats | None
     previous: anyio.Event | None
     staged: Any = None
-    layout: ReplicaLayout | PendingLayout | None = None
+    layout: FileLayout | PendingLayout | None = None
     """Made in full (kept for later saves in the background), or a kept one re-used."""
     entry: FileEntry | None = None
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
@@ -111,7 +111,7 @@ class Persister:
         self._emit = emit
         self._layouts = LayoutCache(rank)
 
-    async def lay_out(self, staged: Any, step: int, checkpoint_id: str) -> ReplicaLayout | PendingLayout:
+    async def lay_out(self, staged: Any, step: int, checkpoint_id: str) -> FileLayout | PendingLayout:
         """Check the staged copy against the replica format and lay it out, before ``save()``
         returns: what the background task could not write is refused here, with its key
         path.  A copy of a structure laid out before re-uses that layout once checked
@@ -204,7 +204,7 @@ class Persister:
         try:
             entry = FileEntry(self._data_name, encoded.total_nbytes, storages_crc32c(encoded.header))
             job.written = True  # from here on, a file may exist that must not outlive a failure
-            await write_replica(
+            await write_checkpoint_file(
                 self._directory / step_dir_name(job.step) / self._data_name,
                 encoded,
                 limiter=self._limiter,
@@ -227,7 +227,7 @@ class Persister:
         marker = Marker(job.step, self._rank, job.checkpoint_id, time.time(), (entry,))
         marker_path = self._directory / step_dir_name(job.step) / self._marker_name
         with anyio.CancelScope(shield=True):
-            await write_replica(
+            await write_checkpoint_file(
                 marker_path,
                 [marker.to_json()],
                 limiter=self._limiter,

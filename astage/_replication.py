@@ -55,7 +55,7 @@ from ._errors import (
 from ._errors import describe as _describe
 from ._format import (
     Encoded,
-    ReplicaHeader,
+    FileHeader,
     byte_view,
     decode,
     encode,
@@ -65,9 +65,9 @@ from ._format import (
 from ._limits import INT64
 from ._options import StagingOptions, coerce_options
 from ._persist import (
-    _ReplicaFile,
+    _CheckpointFile,
     blocking_io,
-    inspect_replica,
+    inspect_checkpoint_file,
     make_dirs_durable,
     replica_path,
     sweep_stale_temps,
@@ -143,7 +143,7 @@ class ReplicationResult:
 
     staged: Any
     replica_path: Path
-    replica_header: ReplicaHeader
+    replica_header: FileHeader
     send_to: int
     recv_from: int
     stats: ReplicationStats
@@ -454,7 +454,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
 
     async def _exchange_and_keep(
         self, encoded: Encoded, path: Path, deadline: float
-    ) -> tuple[_transport.Received, ReplicaHeader, float, float]:
+    ) -> tuple[_transport.Received, FileHeader, float, float]:
         """Exchange replicas with the peers and make the received one durable at ``path``.
 
         :returns: what was received, its header, and when persisting began and ended.
@@ -650,7 +650,7 @@ def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) 
             found[int(match.group(1))] = Path(entry.path)
         elif entry.name == prefix + ".astage":
             try:
-                found.setdefault(inspect_replica(entry.path).step, Path(entry.path))
+                found.setdefault(inspect_checkpoint_file(entry.path).step, Path(entry.path))
             except (OSError, IntegrityError) as exc:
                 log.warning("ignoring the held replica %s: %s", entry.path, exc)
     return found
@@ -659,11 +659,11 @@ def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) 
 def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
     """A held replica's prefix and body, verified; ``None`` if missing or invalid.
 
-    Opened like every replica astage reads (:class:`astage._persist._ReplicaFile`): a link
+    Opened like every replica astage reads (:class:`astage._persist._CheckpointFile`): a link
     or a FIFO planted under the replica's name is refused, never followed or waited on.
     """
     try:
-        f = _ReplicaFile(path)
+        f = _CheckpointFile(path)
     except FileNotFoundError:
         return None
     except (OSError, IntegrityError) as exc:

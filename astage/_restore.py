@@ -48,13 +48,13 @@ import torch
 
 from . import _transport
 from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError, describe
-from ._format import BodyVerifier, ReplicaHeader, parse_prefix
+from ._format import BodyVerifier, FileHeader, parse_prefix
 from ._persist import (
     DirOpener,
-    _ReplicaFile,
+    _CheckpointFile,
     blocking_io,
-    inspect_replica,
-    write_replica,
+    inspect_checkpoint_file,
+    write_checkpoint_file,
 )
 from ._pool import BufferPool
 from ._rebuild import rebuild
@@ -248,7 +248,7 @@ def _own_steps(ckpt: Checkpointer) -> set[int]:
             # Opened from the step directory, itself opened without following a link.
             step_fd = _open_step_dir(ckpt._dir_fd, path.parent.name, create=False)
             try:
-                f = _ReplicaFile(path, step_fd)
+                f = _CheckpointFile(path, step_fd)
             finally:
                 os.close(step_fd)
             try:
@@ -268,7 +268,7 @@ def _held_steps(rs: ReplicationStager) -> dict[int, Path]:
     found = {}
     for step, path in rs.held_replicas().items():
         try:
-            info = inspect_replica(path)
+            info = inspect_checkpoint_file(path)
             if info.owner_rank != rs.recv_from or info.step != step:
                 raise IntegrityError(f"it holds step {info.step} of rank {info.owner_rank}")
         except (OSError, IntegrityError) as exc:
@@ -284,7 +284,7 @@ def _map_replica(path: Path, owner: int, step: int) -> tuple[bytes, torch.Tensor
     The body is a private, read-only-in-practice mapping of the file: its pages are read as
     the transport sends them, so reading the disk overlaps the transfer.
     """
-    f = _ReplicaFile(path)
+    f = _CheckpointFile(path)
     try:
         header, st = f.header()
         if header.owner_rank != owner or header.step != step:
@@ -296,7 +296,7 @@ def _map_replica(path: Path, owner: int, step: int) -> tuple[bytes, torch.Tensor
     return prefix, data[header.prefix_nbytes :]
 
 
-def _decode_verified(header: ReplicaHeader, body: torch.Tensor) -> Any:
+def _decode_verified(header: FileHeader, body: torch.Tensor) -> Any:
     """Rebuild the state over a body every byte of which was verified as it landed."""
     array = body.numpy()
     storages = [
@@ -358,7 +358,7 @@ class _HealingSink(_StreamingSink):
         if self.verifier is not None and self.error is None:
             await super().on_chunk(offset, chunk)
 
-    async def finish(self) -> ReplicaHeader:
+    async def finish(self) -> FileHeader:
         self.exchanged = True
         if self.empty:
             raise _HolderHadNone()
@@ -626,7 +626,7 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
         with anyio.CancelScope(shield=True):
             # The step directory's entry is durable before its marker commits it.
             await blocking_io(os.fsync, ckpt._dir_fd, limiter=ckpt._limiter)
-            await write_replica(
+            await write_checkpoint_file(
                 ckpt.step_dir(header.step) / ckpt._marker_name,
                 [marker.to_json()],
                 limiter=ckpt._limiter,

@@ -16,8 +16,8 @@ import anyio
 import torch
 
 from ._errors import IntegrityError, PersistError
-from ._format import BodyVerifier, ReplicaHeader, byte_view, parse_prefix
-from ._persist import DirOpener, ReplicaWriter, blocking_io, temp_path_for
+from ._format import BodyVerifier, FileHeader, byte_view, parse_prefix
+from ._persist import CheckpointFileWriter, DirOpener, blocking_io, temp_path_for
 from ._pool import BufferPool, Lease
 
 log = logging.getLogger("astage.replication")
@@ -68,7 +68,7 @@ class _StreamingSink:
     def __init__(
         self, path: Path, owner_rank: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
     ) -> None:
-        self.writer = ReplicaWriter(path, open_dir=open_dir)
+        self.writer = CheckpointFileWriter(path, open_dir=open_dir)
         self.owner_rank = owner_rank
         self.inbox = inbox
         self.lease: Lease | None = None
@@ -126,7 +126,7 @@ class _StreamingSink:
         except PersistError as exc:
             self.error = self.error or exc
 
-    async def finish(self) -> ReplicaHeader:
+    async def finish(self) -> FileHeader:
         """Check the whole replica came in and verified, then make it durable."""
         if self.error is not None:
             raise self.error

@@ -1,4 +1,4 @@
-"""The binary per-tensor and per-storage tables of a version-3 replica header.
+"""The binary per-tensor and per-storage tables of a version-3 checkpoint file header.
 
 The header starts with four counts, then one fixed-size record a tensor
 (:data:`TENSOR_RECORD`), every tensor's sizes and strides as one int64 array, and one
@@ -344,7 +344,7 @@ def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSp
         (flags & FLAG_REQUIRES_GRAD != 0).tolist(),
         (flags & FLAG_CONJ != 0).tolist(),
         (flags & FLAG_NEG != 0).tolist(),
-        repeat(None),  # attrs: a replica holds none
+        repeat(None),  # attrs: a checkpoint file holds none
         repeat(None),  # dtensor_spec: DTensors come back as their local tensor
         strict=False,  # the repeats are endless; paths and the columns have one a tensor
     )

@@ -50,10 +50,10 @@ from ._demo import run_demo
 from ._directory import layout_role, step_of_dir
 from ._directory import rank_file_names as _names
 from ._errors import Attr, format_key_path
-from ._format import ReplicaHeader
+from ._format import FileHeader
 from ._markers import Marker as _Marker
 from ._markers import check_committed, read_marker
-from ._persist import REPLICA_SUFFIX, is_temp_name
+from ._persist import FILE_SUFFIX, is_temp_name
 from ._plan import AtomNode, CopyNode, DictNode, Node, ObjectNode, RefNode, SeqNode, TensorNode
 
 DESCRIPTION = """\
@@ -147,7 +147,7 @@ def _key_text(path: tuple[object, ...]) -> str:
     return format_key_path(path).removeprefix("state_dict") or "<root>"
 
 
-def _leaf_rows(header: ReplicaHeader) -> list[dict[str, Any]]:
+def _leaf_rows(header: FileHeader) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for path, node in _leaves(header.plan.root, ()):
         row: dict[str, Any] = {"key_path": _key_text(path)}
@@ -171,7 +171,7 @@ def _leaf_rows(header: ReplicaHeader) -> list[dict[str, Any]]:
     return rows
 
 
-def _replica_summary(info: astage.ReplicaInfo) -> dict[str, Any]:
+def _replica_summary(info: astage.CheckpointFileInfo) -> dict[str, Any]:
     header = info.header
     return {
         "owner_rank": info.owner_rank,
@@ -188,7 +188,7 @@ def _replica_summary(info: astage.ReplicaInfo) -> dict[str, Any]:
 
 def _verify_file(path: Path, body_nbytes: int) -> None:
     with _progress(f"verifying {shown(path.name)}", body_nbytes, nbytes=True) as advance:
-        astage.load_replica_sync(path, on_read=advance)
+        astage.load_checkpoint_file_sync(path, on_read=advance)
 
 
 def _file_kind(path: Path) -> tuple[str, int | None, int | None]:
@@ -217,7 +217,7 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     kind, step, rank = _file_kind(path)
     if kind == "marker":
         return _inspect_marker(path, step, rank, verify, as_json)
-    info = astage.inspect_replica(path)
+    info = astage.inspect_checkpoint_file(path)
     if kind == "replica" and info.holder_rank is None:
         kind = "checkpoint"  # a rank's own file (no holder), outside a Checkpointer's layout
     doc: dict[str, Any] = {"path": str(path), "kind": kind, **_replica_summary(info)}
@@ -234,7 +234,7 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     return 0
 
 
-def _print_file(path: Path, info: astage.ReplicaInfo, doc: dict[str, Any]) -> None:
+def _print_file(path: Path, info: astage.CheckpointFileInfo, doc: dict[str, Any]) -> None:
     """``astage inspect`` of a checkpoint file or a replica, as text."""
     if "committed" in doc:
         state = "committed" if doc["committed"] else "not committed (no valid commit marker names it)"
@@ -434,7 +434,7 @@ def _find(top: Path) -> tuple[dict[Path, list[_Step]], dict[Path, list[Path]]]:
         if steps:
             checkpoints[directory] = [_read_step(directory / d, s) for s, d in steps]
         dirs[:] = sorted(d for d in dirs if step_of_dir(d) is None)
-        found = sorted(directory / f for f in files if f.endswith(REPLICA_SUFFIX))
+        found = sorted(directory / f for f in files if f.endswith(FILE_SUFFIX))
         found = [p for p in found if p.is_file() and not p.is_symlink()]
         if found:
             replicas[directory] = found
@@ -529,9 +529,9 @@ def _checkpoint_dir_doc(directory: Path, steps: list[_Step]) -> dict[str, Any]:
 def _replica_entry(path: Path, verify: bool, advance: Callable[[int], None]) -> dict[str, Any]:
     try:
         with _accounted(advance, path.stat().st_size if verify else 0) as read:
-            info = astage.inspect_replica(path)
+            info = astage.inspect_checkpoint_file(path)
             if verify:
-                astage.load_replica_sync(path, on_read=read)
+                astage.load_checkpoint_file_sync(path, on_read=read)
     except (astage.IntegrityError, OSError) as exc:
         return {"path": str(path), "name": path.name, "problem": str(exc)}
     return {

@@ -26,7 +26,7 @@ import torch
 
 import astage
 from astage._format import encode
-from astage._persist import ReplicaWriter, write_replica
+from astage._persist import CheckpointFileWriter, write_checkpoint_file
 from tests.distributed import _context
 
 CHUNK = 64 << 10
@@ -207,7 +207,7 @@ class Traced:
 def _persist_child(conn: Connection, jobs: list[tuple[str, bytes]], backend: str, via_writer: bool) -> None:
     """Persist each ``(path, data)`` once told to go; report one :class:`Outcome` each.
 
-    ``via_writer``: use :class:`ReplicaWriter` (exactly what ``write_replica`` does) made
+    ``via_writer``: use :class:`CheckpointFileWriter` (exactly what ``write_checkpoint_file`` does) made
     before the go, so that the parent knows the temp names while setting up strace.  Their
     directories are opened before the go too (the writers get duplicates): strace's ``-P``
     then matches a call made relative to a directory only by that descriptor, never by an
@@ -216,7 +216,9 @@ def _persist_child(conn: Connection, jobs: list[tuple[str, bytes]], backend: str
     writers = []
     for path, _ in jobs if via_writer else []:
         dir_fd = os.open(Path(path).parent, os.O_RDONLY | os.O_DIRECTORY)  # lives as long as the child
-        writers.append(ReplicaWriter(path, chunk_nbytes=CHUNK, open_dir=functools.partial(os.dup, dir_fd)))
+        writers.append(
+            CheckpointFileWriter(path, chunk_nbytes=CHUNK, open_dir=functools.partial(os.dup, dir_fd))
+        )
     conn.send([str(w.temp_path) for w in writers])
     conn.recv()
 
@@ -226,7 +228,7 @@ def _persist_child(conn: Connection, jobs: list[tuple[str, bytes]], backend: str
                 await writer.write(data)
                 await writer.commit()
         else:
-            await write_replica(path, [data], chunk_nbytes=CHUNK)
+            await write_checkpoint_file(path, [data], chunk_nbytes=CHUNK)
 
     async def run_all() -> list[Outcome]:
         outcomes = []

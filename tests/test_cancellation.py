@@ -43,7 +43,7 @@ import astage
 import astage._persist
 from astage._copy import run_batch
 from astage._format import encode
-from astage._persist import load_replica_sync, replica_path, write_replica
+from astage._persist import load_checkpoint_file_sync, replica_path, write_checkpoint_file
 from tests.distributed import run_group
 from tests.helpers import (
     assert_no_late_writes,
@@ -216,7 +216,7 @@ async def test_a_stage_cancelled_mid_copy_hands_its_buffers_back_though_the_copy
         resumed.set()
 
 
-# -- astage._persist.write_replica -----------------------------------------------------------
+# -- astage._persist.write_checkpoint_file -----------------------------------------------------------
 
 
 async def assert_no_write_after_close(wait: float = 0.02) -> None:
@@ -242,7 +242,7 @@ async def test_write_replica_cancelled_at_every_await_point(tmp_path: Path) -> N
     old = encode(small_state(1), owner_rank=0, holder_rank=1, step=1, checkpoint_id="old")
     new = encode(small_state(2, 512 << 10), owner_rank=0, holder_rank=1, step=2, checkpoint_id="new")
     versions = {b"".join(old.buffers()): "old", b"".join(new.buffers()): "new"}
-    await write_replica(path, old)
+    await write_checkpoint_file(path, old)
     fds = Descriptors()
     seen: set[str] = set()
 
@@ -256,15 +256,15 @@ async def test_write_replica_cancelled_at_every_await_point(tmp_path: Path) -> N
             state.problem("the replica is neither the old nor the new one")
         else:
             seen.add(which)
-            load_replica_sync(path)
-        await write_replica(path, old)  # usable again, and the next point starts from the old one
+            load_checkpoint_file_sync(path)
+        await write_checkpoint_file(path, old)  # usable again, and the next point starts from the old one
 
-    await sweep(lambda: write_replica(path, new, chunk_nbytes=64 << 10), after)
+    await sweep(lambda: write_checkpoint_file(path, new, chunk_nbytes=64 << 10), after)
     # The sweep ends at the first run that completes: one cancelled in the rename or the
     # directory fsync, which finish whatever happens (a cancelled run never reaches them).
     assert seen == {"old"}
     assert versions[path.read_bytes()] == "new"
-    assert_same_tree(load_replica_sync(path), small_state(2, 512 << 10))
+    assert_same_tree(load_checkpoint_file_sync(path), small_state(2, 512 << 10))
 
 
 # -- Checkpointer.save, and the persisting and committing that follow it -----------------------
@@ -394,8 +394,8 @@ def held_problem(directory: Path, rank: int) -> str | None:
     peer = 1 - rank
     path = replica_path(directory, owner_rank=peer, holder_rank=rank)
     try:
-        info = astage.inspect_replica(path)
-        assert_same_tree(load_replica_sync(path), ring_state(peer, info.step))
+        info = astage.inspect_checkpoint_file(path)
+        assert_same_tree(load_checkpoint_file_sync(path), ring_state(peer, info.step))
     except Exception as exc:
         return f"the held replica is unusable: {exc!r}"
     if temp_files(directory):

@@ -31,7 +31,7 @@ import torch
 import astage
 import astage._format
 from astage._format import encode
-from astage._persist import find_replicas, is_temp_name, replica_path, temp_path_for, write_replica
+from astage._persist import find_replicas, is_temp_name, replica_path, temp_path_for, write_checkpoint_file
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 from tests.statedicts import assert_same_tree, bytes_equal, random_tensor, rich_state_dict, tensors_of
@@ -51,7 +51,7 @@ def model_state(step: int, nbytes: int = 64 << 10) -> dict[str, Any]:
 
 
 def restorable_rich_state() -> dict[str, Any]:
-    """The shared rich state_dict minus what the replica format cannot hold."""
+    """The shared rich state_dict minus what the checkpoint file format cannot hold."""
     state = rich_state_dict()
     # Objects and tensor attributes cannot; a namedtuple comes back as an equal namedtuple
     # of a class rebuilt from its name and fields, not as the same class.
@@ -108,7 +108,9 @@ class DirectoryReplicator:
                 encode, staged, owner_rank=self.rank, holder_rank=1, step=step, checkpoint_id=checkpoint_id
             )
         )
-        return await write_replica(replica_path(self.directory, owner_rank=self.rank, holder_rank=1), replica)
+        return await write_checkpoint_file(
+            replica_path(self.directory, owner_rank=self.rank, holder_rank=1), replica
+        )
 
 
 class Progress:
@@ -156,7 +158,9 @@ class SharingReplicator(DirectoryReplicator):
         replica = await anyio.to_thread.run_sync(
             functools.partial(encoded.relabel, owner_rank=self.rank, holder_rank=1)
         )
-        return await write_replica(replica_path(self.directory, owner_rank=self.rank, holder_rank=1), replica)
+        return await write_checkpoint_file(
+            replica_path(self.directory, owner_rank=self.rank, holder_rank=1), replica
+        )
 
 
 # -- saving and restoring -----------------------------------------------------------------
@@ -784,7 +788,7 @@ async def test_cancelling_the_scope_around_the_checkpointer_abandons_in_flight_s
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("call", ["astage._format.ReplicaLayout.encode", "astage._persist._write_all"])
+@pytest.mark.parametrize("call", ["astage._format.FileLayout.encode", "astage._persist._write_all"])
 async def test_a_save_cancelled_as_a_thread_call_returns_hands_its_buffers_back_though_the_thread_lingers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, anyio_backend: str
 ) -> None:
@@ -1001,13 +1005,13 @@ async def test_a_replicated_save_is_encoded_and_checksummed_once(
 ) -> None:
     # On main the local file and the replica were each encoded from the staged copy.
     encodes: list[int] = []
-    original = astage._format.ReplicaLayout.encode
+    original = astage._format.FileLayout.encode
 
-    def counted(layout: astage._format.ReplicaLayout) -> astage._format.Encoded:
+    def counted(layout: astage._format.FileLayout) -> astage._format.Encoded:
         encodes.append(layout.step)
         return original(layout)
 
-    monkeypatch.setattr(astage._format.ReplicaLayout, "encode", counted)
+    monkeypatch.setattr(astage._format.FileLayout, "encode", counted)
     replicator = SharingReplicator(tmp_path / "peer")
     async with astage.Checkpointer(tmp_path / "ckpt", replication=replicator) as ckpt:
         await (await ckpt.save(3, model_state(3))).wait()

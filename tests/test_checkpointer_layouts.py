@@ -1,6 +1,6 @@
 """A save re-uses the layout of an earlier save of the same structure, and only then.
 
-``Checkpointer.save`` must refuse what the replica format cannot store before it returns,
+``Checkpointer.save`` must refuse what the checkpoint file format cannot store before it returns,
 which costs a walk of the whole staged tree (:func:`astage._format.lay_out`).  A training
 job saves one structure again and again, so the layout is kept and re-used once the staged
 tree is checked against it (:mod:`astage._layout_cache`).  These tests pin both halves: a
@@ -23,7 +23,7 @@ import torch
 
 import astage
 import astage._layout_cache
-from astage._format import ReplicaLayout, lay_out
+from astage._format import FileLayout, lay_out
 from astage._layout_cache import LayoutCache, PendingLayout
 from tests.helpers import heartbeat_gaps, no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
 from tests.statedicts import assert_same_tree
@@ -71,12 +71,12 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-def header_of(layout: ReplicaLayout) -> bytes:
+def header_of(layout: FileLayout) -> bytes:
     parts, spaces = dataclasses.replace(layout, created=0.0).header_parts([0] * len(layout.offsets))
     return b"".join(parts) + b" " * spaces
 
 
-def assert_same_layout(got: ReplicaLayout, expected: ReplicaLayout) -> None:
+def assert_same_layout(got: FileLayout, expected: FileLayout) -> None:
     assert header_of(got) == header_of(expected)
     assert [s._cdata for s in got.storages] == [s._cdata for s in expected.storages]
     assert got.offsets == expected.offsets
@@ -85,7 +85,7 @@ def assert_same_layout(got: ReplicaLayout, expected: ReplicaLayout) -> None:
 async def kept_cache(staged: dict[str, Any]) -> LayoutCache:
     cache = LayoutCache(rank=0)
     layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
-    assert isinstance(layout, ReplicaLayout)
+    assert isinstance(layout, FileLayout)
     await cache.keep(staged, layout, None)
     return cache
 
@@ -107,7 +107,7 @@ async def test_every_change_to_the_tree_is_laid_out_anew(change: Callable[[dict[
     cache = await kept_cache(staged)
     change(staged)
     layout = await cache.lay_out(staged, step=2, checkpoint_id=ID, limiter=None)
-    assert isinstance(layout, ReplicaLayout), "a changed tree must not re-use the kept layout"
+    assert isinstance(layout, FileLayout), "a changed tree must not re-use the kept layout"
     assert_same_layout(layout, lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID))
 
 
@@ -154,7 +154,7 @@ async def test_repeated_saves_lay_out_once_and_restore_exactly(
 ) -> None:
     calls: list[int] = []
 
-    def counted(staged: Any, **kwargs: Any) -> ReplicaLayout:
+    def counted(staged: Any, **kwargs: Any) -> FileLayout:
         calls.append(kwargs["step"])
         return lay_out(staged, **kwargs)
 

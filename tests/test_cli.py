@@ -24,7 +24,7 @@ import torch
 
 import astage
 from astage._format import encode
-from astage._persist import write_replica
+from astage._persist import write_checkpoint_file
 from astage.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ async def _make_tree(root: Path) -> None:
                 await ckpt.save(step, state(step))
     async with astage.Checkpointer(root / "nested" / "run-b", keep=None) as ckpt:
         await ckpt.save(10, state(10))
-    await write_replica(
+    await write_checkpoint_file(
         root / "replicas" / "replica-owner00001-holder00000.astage",
         encode(state(7), owner_rank=1, holder_rank=0, step=7, checkpoint_id=HOSTILE_ID),
     )

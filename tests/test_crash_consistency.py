@@ -2,7 +2,7 @@
 
 The writer is a fresh process from the forkserver of :mod:`tests.distributed` (torch
 already imported, never forked from pytest's threads) that, at the same time, replaces a
-replica file over and over (``write_replica``, alternating two replicas of different
+replica file over and over (``write_checkpoint_file``, alternating two replicas of different
 sizes) and commits Checkpointer saves of ever higher steps (``keep=2``, two saves in
 flight).  It is killed at a random moment after it has started, and then:
 
@@ -32,7 +32,7 @@ import torch
 
 import astage
 from astage._format import encode
-from astage._persist import is_temp_name, load_replica_sync, sweep_stale_temps, write_replica
+from astage._persist import is_temp_name, load_checkpoint_file_sync, sweep_stale_temps, write_checkpoint_file
 from tests.distributed import _context
 from tests.statedicts import assert_same_tree
 
@@ -60,7 +60,7 @@ async def _write_forever(directory: Path, replica: Path, ready: Connection) -> N
 
     async def replace_replica() -> None:
         for i in range(1 << 30):
-            await write_replica(replica, replicas[i % 2], chunk_nbytes=64 << 10)
+            await write_checkpoint_file(replica, replicas[i % 2], chunk_nbytes=64 << 10)
 
     async with (
         astage.Checkpointer(directory, keep=2, max_in_flight=2) as ckpt,
@@ -111,10 +111,10 @@ def test_a_writer_killed_at_random_points_leaves_old_or_new_never_torn(tmp_path:
 
         # The replica: one of the two, whole (loading verifies every checksum and the size).
         if replica.exists():
-            loaded = load_replica_sync(replica)
+            loaded = load_checkpoint_file_sync(replica)
             which = loaded["which"]
             assert_same_tree(loaded, replica_state(which))
-            assert astage.inspect_replica(replica).checkpoint_id == f"r{which}"
+            assert astage.inspect_checkpoint_file(replica).checkpoint_id == f"r{which}"
             seen[f"replica {which}"] += 1
         else:
             seen["no replica yet"] += 1

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import pytest
 
-from astage._persist import is_temp_name, load_replica_sync, write_replica
+from astage._persist import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
 from tests.strace import (
     MKDIRS,
     OPENS,
@@ -140,7 +140,7 @@ def live(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("order")
     created = root / "new" / "sub" / "created.astage"
     replaced = root / "replaced.astage"
-    anyio.run(write_replica, replaced, [replica(1)])
+    anyio.run(write_checkpoint_file, replaced, [replica(1)])
     data = (replica(2), replica(3, nbytes=300_000))
     traced = run_traced(
         [(created, data[0]), (replaced, data[1])],
@@ -154,7 +154,7 @@ def test_a_real_persist_makes_its_steps_durable_in_order(live: LiveRun) -> None:
     assert live.traced.outcomes == [Outcome(), Outcome()]
     for final, data in zip((live.created, live.replaced), live.data, strict=True):
         assert final.read_bytes() == data
-        load_replica_sync(final)
+        load_checkpoint_file_sync(final)
         assert durable_order_problems(live.traced.calls, final, nbytes=len(data)) == []
     made = [_made_dir(c) for c in live.traced.calls if c.name in MKDIRS and c.ok]
     assert made == [live.created.parent.parent, live.created.parent]

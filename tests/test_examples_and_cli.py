@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from astage._format import encode
-from astage._persist import write_replica
+from astage._persist import write_checkpoint_file
 from astage.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,9 @@ def test_cli_unknown_command_fails_cleanly(capsys: pytest.CaptureFixture[str]) -
 def write_small_replica(path: Path) -> None:
     base = torch.arange(12, dtype=torch.float32)
     staged = {"w": base.view(3, 4), "row": base[4:8], "meta": {"step": 7}}
-    anyio.run(write_replica, path, encode(staged, owner_rank=1, holder_rank=0, step=7, checkpoint_id="c7"))
+    anyio.run(
+        write_checkpoint_file, path, encode(staged, owner_rank=1, holder_rank=0, step=7, checkpoint_id="c7")
+    )
 
 
 def test_cli_inspect_shows_header_tensors_and_verifies(

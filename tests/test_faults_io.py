@@ -34,7 +34,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from astage._persist import is_temp_name, load_replica_sync, write_replica
+from astage._persist import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
 from tests.strace import (
     CHUNK,
     CLEANUP,
@@ -95,7 +95,7 @@ def test_a_failed_step_is_named_not_retried_and_leaves_a_whole_replica(
 ) -> None:
     final = tmp_path / "replica.astage"
     previous, new = replica(1), replica(2, nbytes=300_000)
-    anyio.run(write_replica, final, [previous])
+    anyio.run(write_checkpoint_file, final, [previous])
 
     def strace_args(temps: list[Path]) -> list[str]:
         # The temp file is created, renamed and removed relative to its directory's
@@ -132,7 +132,7 @@ def test_a_failed_step_is_named_not_retried_and_leaves_a_whole_replica(
     assert sorted(os.listdir(tmp_path)) == [final.name]
     # The directory is fsynced after the rename: then the new replica stands.
     assert final.read_bytes() == (new if fault.on_directory else previous)
-    load_replica_sync(final)
+    load_checkpoint_file_sync(final)
 
 
 _SHORT_WRITER = """\
@@ -140,10 +140,10 @@ import sys
 from pathlib import Path
 
 import anyio
-from astage._persist import write_replica
+from astage._persist import write_checkpoint_file
 
 final, data = sys.argv[1], Path(sys.argv[2]).read_bytes()
-anyio.run(lambda: write_replica(final, [data], chunk_nbytes=int(sys.argv[3])))
+anyio.run(lambda: write_checkpoint_file(final, [data], chunk_nbytes=int(sys.argv[3])))
 """
 
 
@@ -155,7 +155,7 @@ def test_short_writes_are_continued_until_the_replica_is_whole(tmp_path: Path) -
         pytest.skip("fiu-run is not installed (.ci/run installs fiu-utils with apt-get)")
     final, source = tmp_path / "replica.astage", tmp_path / "source.bin"
     previous, data = replica(1), replica(2, nbytes=300_000)
-    anyio.run(write_replica, final, [previous])
+    anyio.run(write_checkpoint_file, final, [previous])
     source.write_bytes(data)
     trace = tmp_path / "trace"
     tracing = [strace, "-f", "--seccomp-bpf", "-y", "-s", "0", "-o", str(trace)]
@@ -175,5 +175,5 @@ def test_short_writes_are_continued_until_the_replica_is_whole(tmp_path: Path) -
     assert all(c.ok for c in writes)
     assert sum(c.ret or 0 for c in writes) == len(data)
     assert final.read_bytes() == data
-    load_replica_sync(final)
+    load_checkpoint_file_sync(final)
     assert sorted(os.listdir(tmp_path)) == sorted([final.name, source.name, trace.name])

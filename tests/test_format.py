@@ -1,4 +1,4 @@
-"""The replica format: faithful round trips, clear refusals, and hostile bytes rejected."""
+"""The checkpoint file format: faithful round trips, clear refusals, and hostile bytes rejected."""
 
 from __future__ import annotations
 

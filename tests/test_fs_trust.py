@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 import astage
 from astage._format import encode
 from astage._markers import FileEntry, Marker, marker_crc32c, parse_marker
-from astage._persist import ReplicaWriter, replica_path, write_replica
+from astage._persist import CheckpointFileWriter, replica_path, write_checkpoint_file
 from astage._replication import _read_replica_file
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop, until  # noqa: F401 - autouse fixture
@@ -298,26 +298,26 @@ async def test_a_data_file_or_temp_name_planted_as_a_link_is_replaced_or_refused
     final = tmp_path / "replicas" / "r.astage"
     final.parent.mkdir()
     final.symlink_to(outside.victim)
-    writer = ReplicaWriter(final)
+    writer = CheckpointFileWriter(final)
     writer.temp_path.symlink_to(outside.dir / "created-through-the-temp")
     with pytest.raises(astage.PersistError, match="open failed"):
         await writer.open()
     writer.temp_path.unlink()
-    await write_replica(final, encode(state(3), owner_rank=0, step=3, checkpoint_id="c"))
+    await write_checkpoint_file(final, encode(state(3), owner_rank=0, step=3, checkpoint_id="c"))
     assert not final.is_symlink()
-    assert astage.load_replica_sync(final)["step"] == 3
+    assert astage.load_checkpoint_file_sync(final)["step"] == 3
     outside.check()
 
 
 def test_a_held_replica_planted_as_a_link_is_never_sent_back(tmp_path: Path, outside: Outside) -> None:
     valid = outside.dir / "valid.astage"
-    anyio.run(write_replica, valid, encode(state(1), owner_rank=1, step=1, checkpoint_id="c"))
+    anyio.run(write_checkpoint_file, valid, encode(state(1), owner_rank=1, step=1, checkpoint_id="c"))
     outside.before = outside.snapshot()
     held = replica_path(tmp_path, owner_rank=1, holder_rank=0)
     held.symlink_to(valid)
     assert _read_replica_file(held) is None
     with pytest.raises(astage.IntegrityError, match="symbolic link"):
-        astage.load_replica_sync(held)
+        astage.load_checkpoint_file_sync(held)
     assert astage.find_replicas(tmp_path) == []
     outside.check()
 
@@ -369,14 +369,18 @@ async def test_loaders_refuse_fifos_sockets_directories_and_devices_at_once(tmp_
     paths = special_files(tmp_path)
     with FifoGuard(paths["fifo"]):
         for kind, path in paths.items():
-            for load in (astage.load_replica_sync, astage.inspect_replica, _read_replica_file):
+            for load in (
+                astage.load_checkpoint_file_sync,
+                astage.inspect_checkpoint_file,
+                _read_replica_file,
+            ):
                 if load is _read_replica_file:
                     assert await anyio.to_thread.run_sync(load, path) is None, kind
                     continue
                 with pytest.raises(astage.IntegrityError, match="not a file astage wrote"):
                     await anyio.to_thread.run_sync(load, path)
             with pytest.raises(astage.IntegrityError, match="not a file astage wrote"):
-                await astage.load_replica(path)
+                await astage.load_checkpoint_file(path)
         assert await anyio.to_thread.run_sync(astage.find_replicas, tmp_path) == []
         assert await anyio.to_thread.run_sync(astage.sweep_stale_temps, tmp_path) == []
 
@@ -528,7 +532,7 @@ async def test_checkpoint_and_replica_directories_are_0700_under_umask_0(tmp_pat
         async with astage.Checkpointer(tmp_path / "c" / "d") as ckpt:
             await (await ckpt.save(1, state(1))).wait()
         replica = encode(state(1), owner_rank=0, step=1, checkpoint_id="c")
-        await write_replica(tmp_path / "r" / "s" / "x.astage", replica)
+        await write_checkpoint_file(tmp_path / "r" / "s" / "x.astage", replica)
     assert set(modes(tmp_path, ckpt.step_dir(1)).values()) == {"0o700"}
     assert set(modes(tmp_path, tmp_path / "r" / "s").values()) == {"0o700"}
 

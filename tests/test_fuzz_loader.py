@@ -5,7 +5,7 @@ byte edits, truncation, appended, deleted, inserted and duplicated ranges (rando
 pieces of another replica, pickle payloads), edits of the header length field, and edits of
 the header JSON that are re-checksummed (and of the body with its checksums recomputed), so
 that the damage gets past the checksums to the deep validation.  Every result is handed to
-every loader: :func:`astage.load_replica_sync` and :func:`astage.find_replicas` on a file,
+every loader: :func:`astage.load_checkpoint_file_sync` and :func:`astage.find_replicas` on a file,
 :func:`parse_prefix` plus :func:`decode` in memory (what a receiving rank does), and
 ``_read_replica_file`` (what ``recover()`` sends back).  Each must either return a valid
 state_dict (all loaders agreeing) or raise :class:`astage.IntegrityError`; nothing else.
@@ -72,7 +72,7 @@ from astage._format import (
     encode,
     parse_prefix,
 )
-from astage._persist import find_replicas, load_replica_sync
+from astage._persist import find_replicas, load_checkpoint_file_sync
 from astage._replication import _read_replica_file
 from tests.statedicts import ALL_DTYPES, random_tensor, tensors_of
 
@@ -618,7 +618,7 @@ def check_loaders(data: bytes, path: Path) -> str:
     """
     path.write_bytes(data)
     with guarded(path):
-        from_file = _or_integrity_error(lambda: load_replica_sync(path))
+        from_file = _or_integrity_error(lambda: load_checkpoint_file_sync(path))
         from_memory = _or_integrity_error(lambda: _in_memory(data))
         held = _read_replica_file(path)
         listed = find_replicas(path.parent)

@@ -34,7 +34,13 @@ import torch.distributed as dist
 import astage
 from astage import _transport
 from astage._format import _prefix_bytes, encode, parse_prefix
-from astage._persist import find_replicas, is_temp_name, load_replica_sync, replica_path, sweep_stale_temps
+from astage._persist import (
+    find_replicas,
+    is_temp_name,
+    load_checkpoint_file_sync,
+    replica_path,
+    sweep_stale_temps,
+)
 from tests.distributed import RankResult, kill_self, run_group, stop_self
 from tests.statedicts import assert_same_tree
 
@@ -137,7 +143,7 @@ def check_survivors(
         assert info.step in allowed, (result.rank, info.step, value)
         if info.step == 1:
             assert _digest(held) == value["before"], "the previous replica changed"
-        assert_same_tree(load_replica_sync(held), state_of(owner, info.step))
+        assert_same_tree(load_checkpoint_file_sync(held), state_of(owner, info.step))
     victim = root / f"rank{FAULTY}"
     for path in root.rglob("*"):
         assert path.parent == victim or not is_temp_name(path.name), path

@@ -31,16 +31,16 @@ import astage
 from astage import _format, _persist
 from astage._format import Encoded, encode
 from astage._persist import (
-    ReplicaWriter,
+    CheckpointFileWriter,
     blocking_io,
     find_replicas,
     is_temp_name,
-    load_replica,
-    load_replica_sync,
+    load_checkpoint_file,
+    load_checkpoint_file_sync,
     replica_path,
     sweep_stale_temps,
     temp_path_for,
-    write_replica,
+    write_checkpoint_file,
 )
 from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 
@@ -88,14 +88,14 @@ def files(directory: Path) -> list[str]:
 async def test_write_then_load_round_trips(tmp_path: Path) -> None:
     path = replica_path(tmp_path / "a" / "b", owner_rank=3, holder_rank=1)
     assert path.name == "replica-owner00003-holder00001.astage"
-    assert await write_replica(path, encoded(1)) == path
-    loaded = await load_replica(path)
+    assert await write_checkpoint_file(path, encoded(1)) == path
+    loaded = await load_checkpoint_file(path)
     assert same(state(1), loaded)
     assert (
         loaded["model"]["w_view"].untyped_storage().data_ptr()
         == loaded["model"]["w"].untyped_storage().data_ptr()
     )
-    assert same(state(1), await anyio.to_thread.run_sync(load_replica_sync, path))
+    assert same(state(1), await anyio.to_thread.run_sync(load_checkpoint_file_sync, path))
     assert files(path.parent) == [path.name]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o700
@@ -105,9 +105,9 @@ async def test_write_then_load_round_trips(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_a_newer_replica_replaces_the_older(tmp_path: Path) -> None:
     path = replica_path(tmp_path, owner_rank=0, holder_rank=1)
-    await write_replica(path, encoded(1))
-    await write_replica(path, encoded(2, nbytes=100_000))
-    assert same(state(2, 100_000), await load_replica(path))
+    await write_checkpoint_file(path, encoded(1))
+    await write_checkpoint_file(path, encoded(2, nbytes=100_000))
+    assert same(state(2, 100_000), await load_checkpoint_file(path))
     assert files(tmp_path) == [path.name]
 
 
@@ -126,25 +126,25 @@ async def test_writer_streams_chunks_as_they_arrive(tmp_path: Path) -> None:
             await anyio.lowlevel.checkpoint()
 
     path = tmp_path / "streamed.astage"
-    async with ReplicaWriter(path, chunk_nbytes=4096) as writer:
+    async with CheckpointFileWriter(path, chunk_nbytes=4096) as writer:
         async for chunk in arriving():
             await writer.write(chunk)
         await writer.write([b"", memoryview(b"")])
         assert writer.nbytes_written == len(data)
         await writer.commit()
     assert path.read_bytes() == data
-    assert same(state(5, 300_000), await load_replica(path))
+    assert same(state(5, 300_000), await load_checkpoint_file(path))
 
 
 @pytest.mark.anyio
 async def test_leaving_without_commit_discards(tmp_path: Path) -> None:
     path = tmp_path / "r.astage"
-    await write_replica(path, encoded(1))
-    async with ReplicaWriter(path) as writer:
+    await write_checkpoint_file(path, encoded(1))
+    async with CheckpointFileWriter(path) as writer:
         await writer.write(b"partial")
         assert writer.temp_path.exists()
     assert files(tmp_path) == [path.name]
-    writer = ReplicaWriter(path)
+    writer = CheckpointFileWriter(path)
 
     async def fail_while_writing() -> None:
         async with writer:
@@ -154,7 +154,7 @@ async def test_leaving_without_commit_discards(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="boom"):
         await fail_while_writing()
     assert files(tmp_path) == [path.name]
-    assert same(state(1), await load_replica(path))
+    assert same(state(1), await load_checkpoint_file(path))
     with pytest.raises(astage.ClosedError):
         await writer.write(b"late")
     with pytest.raises(astage.ClosedError):
@@ -165,7 +165,7 @@ async def test_leaving_without_commit_discards(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_cancellation_at_each_chunk_leaves_no_temp_and_the_old_replica(tmp_path: Path) -> None:
     path = tmp_path / "r.astage"
-    await write_replica(path, encoded(1))
+    await write_checkpoint_file(path, encoded(1))
     big = encoded(2, nbytes=1 << 20)
     pieces = list(big.buffers(64 << 10))
     for cancel_after in (0, 1, 2, 5, len(pieces) // 2, len(pieces) - 1):
@@ -177,30 +177,30 @@ async def test_cancellation_at_each_chunk_leaves_no_temp_and_the_old_replica(tmp
                         scope.cancel()
                     yield piece
 
-            await write_replica(path, cancelling(), chunk_nbytes=64 << 10)
+            await write_checkpoint_file(path, cancelling(), chunk_nbytes=64 << 10)
         assert scope.cancelled_caught, cancel_after
         assert files(tmp_path) == [path.name]
-        assert same(state(1), await load_replica(path))
+        assert same(state(1), await load_checkpoint_file(path))
 
 
 @pytest.mark.anyio
 async def test_cancellation_before_commit_and_by_timeout(tmp_path: Path) -> None:
     path = tmp_path / "r.astage"
-    await write_replica(path, encoded(1))
+    await write_checkpoint_file(path, encoded(1))
     big = encoded(2, nbytes=32 << 20)
     with anyio.CancelScope() as scope:
-        async with ReplicaWriter(path) as writer:
+        async with CheckpointFileWriter(path) as writer:
             await writer.write(big.buffers())
             scope.cancel()
             await writer.commit()
     assert scope.cancelled_caught
     assert files(tmp_path) == [path.name]
-    assert same(state(1), await load_replica(path))
+    assert same(state(1), await load_checkpoint_file(path))
     for delay in (0.0, 0.001, 0.005, 0.02):
         with anyio.move_on_after(delay):
-            await write_replica(path, big, chunk_nbytes=1 << 20)
+            await write_checkpoint_file(path, big, chunk_nbytes=1 << 20)
         assert files(tmp_path) == [path.name]
-        loaded = await load_replica(path)
+        loaded = await load_checkpoint_file(path)
         assert same(state(1), loaded) or same(state(2, 32 << 20), loaded)
 
 
@@ -212,11 +212,11 @@ async def test_cancellation_at_random_moments_never_leaks(tmp_path: Path) -> Non
     cancelled = 0
     for i in range(60):
         with anyio.move_on_after(rng.uniform(0, 0.003)) as scope:
-            await write_replica(path, replicas[i % 2], chunk_nbytes=16 << 10)
+            await write_checkpoint_file(path, replicas[i % 2], chunk_nbytes=16 << 10)
         cancelled += scope.cancelled_caught
         assert not any(is_temp_name(n) for n in (files(path.parent) if path.parent.exists() else []))
         if path.exists():
-            loaded = await load_replica(path)
+            loaded = await load_checkpoint_file(path)
             assert same(state(1), loaded) or same(state(2, 200_000), loaded)
     assert cancelled
 
@@ -226,7 +226,7 @@ async def test_a_parent_that_is_a_file_fails_clearly(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"x")
     path = tmp_path / "file" / "sub" / "r.astage"
     with pytest.raises(astage.PersistError, match="open failed") as info:
-        await write_replica(path, encoded(1))
+        await write_checkpoint_file(path, encoded(1))
     assert str(path) in str(info.value)
     assert isinstance(info.value.__cause__, OSError)
     assert files(tmp_path) == ["file"]
@@ -243,14 +243,14 @@ def remount_read_only(where: Path) -> None:
 async def test_disk_full_fails_cleanly_and_keeps_the_old_replica(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "small", "1m") as mnt:
         path = mnt / "r.astage"
-        await write_replica(path, encoded(1))
+        await write_checkpoint_file(path, encoded(1))
         with pytest.raises(astage.PersistError, match="write failed") as info:
-            await write_replica(path, encoded(2, nbytes=2 << 20))
+            await write_checkpoint_file(path, encoded(2, nbytes=2 << 20))
         assert str(path) in str(info.value)
         assert isinstance(info.value.__cause__, OSError)
         assert info.value.__cause__.errno == errno.ENOSPC
         assert files(mnt) == [path.name]
-        assert same(state(1), await load_replica(path))
+        assert same(state(1), await load_checkpoint_file(path))
 
 
 @pytest.mark.anyio
@@ -258,27 +258,27 @@ async def test_read_only_directory_fails_cleanly_and_keeps_the_old_replica(tmp_p
     if os.geteuid() != 0:
         directory = tmp_path / "ro"
         path = directory / "r.astage"
-        await write_replica(path, encoded(1))
+        await write_checkpoint_file(path, encoded(1))
         directory.chmod(0o500)
         try:
             with pytest.raises(astage.PersistError, match="open failed"):
-                await write_replica(path, encoded(2))
+                await write_checkpoint_file(path, encoded(2))
         finally:
             directory.chmod(0o700)
         assert files(directory) == [path.name]
-        assert same(state(1), await load_replica(path))
+        assert same(state(1), await load_checkpoint_file(path))
         return
     # chmod does not stop root: make the filesystem itself read-only instead.
     with tmpfs(tmp_path / "ro", "4m") as mnt:
         path = mnt / "r.astage"
-        await write_replica(path, encoded(1))
+        await write_checkpoint_file(path, encoded(1))
         remount_read_only(mnt)
         with pytest.raises(astage.PersistError, match="open failed") as info:
-            await write_replica(path, encoded(2))
+            await write_checkpoint_file(path, encoded(2))
         assert isinstance(info.value.__cause__, OSError)
         assert info.value.__cause__.errno == errno.EROFS
         assert files(mnt) == [path.name]
-        assert same(state(1), await load_replica(path))
+        assert same(state(1), await load_checkpoint_file(path))
 
 
 # -- crash safety -------------------------------------------------------------------------
@@ -286,14 +286,14 @@ async def test_read_only_directory_fails_cleanly_and_keeps_the_old_replica(tmp_p
 
 async def _write_forever(path: Path, replicas: tuple[Encoded, Encoded]) -> None:
     for i in range(1_000_000):
-        await write_replica(path, replicas[i % 2], chunk_nbytes=32 << 10)
+        await write_checkpoint_file(path, replicas[i % 2], chunk_nbytes=32 << 10)
 
 
 def test_sigkill_at_random_points_leaves_the_old_or_the_new_replica(tmp_path: Path) -> None:
     path = tmp_path / "r.astage"
     a, b = encoded(1, nbytes=1 << 20), encoded(2, nbytes=2 << 20)
     versions = {b"".join(a.buffers()), b"".join(b.buffers())}
-    anyio.run(write_replica, path, a)
+    anyio.run(write_checkpoint_file, path, a)
     rng = random.Random(1234)
     kills = 12 * int(os.environ.get("ASTAGE_SOAK_SCALE", "1"))
     for _ in range(kills):
@@ -309,7 +309,7 @@ def test_sigkill_at_random_points_leaves_the_old_or_the_new_replica(tmp_path: Pa
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         assert path.read_bytes() in versions
-        load_replica_sync(path)
+        load_checkpoint_file_sync(path)
         sweep_stale_temps(tmp_path)
         assert files(tmp_path) == [path.name]
 
@@ -360,7 +360,7 @@ async def test_find_replicas_lists_valid_ones_newest_first(
     paths = []
     for i, (owner, holder) in enumerate([(0, 1), (1, 2), (2, 0)]):
         path = replica_path(tmp_path, owner_rank=owner, holder_rank=holder)
-        await write_replica(path, encoded(10 + i, owner=owner, holder=holder))
+        await write_checkpoint_file(path, encoded(10 + i, owner=owner, holder=holder))
         os.utime(path, (1_000_000 + i, 1_000_000 + i))
         paths.append(path)
     os.utime(paths[0], (2_000_000, 2_000_000))
@@ -401,15 +401,15 @@ def _damaged(data: bytes) -> dict[str, bytes]:
 @pytest.mark.anyio
 async def test_damaged_files_raise_integrity_errors(tmp_path: Path) -> None:
     good = tmp_path / "good.astage"
-    await write_replica(good, encoded(1))
+    await write_checkpoint_file(good, encoded(1))
     data = good.read_bytes()
     for name, content in _damaged(data).items():
         path = tmp_path / f"{name.replace(' ', '-')}.astage"
         path.write_bytes(content)
         with pytest.raises(astage.IntegrityError, match=str(path)):
-            await load_replica(path)
+            await load_checkpoint_file(path)
         with pytest.raises(astage.IntegrityError):
-            load_replica_sync(path)
+            load_checkpoint_file_sync(path)
     # Listing reads prefixes only: a damaged body shows only when loading.
     found = await anyio.to_thread.run_sync(find_replicas, tmp_path)
     assert {r.path.name for r in found} == {"good.astage", "flipped-body-bit.astage"}
@@ -434,13 +434,13 @@ async def test_a_header_claiming_a_huge_body_is_refused_before_allocating(tmp_pa
     path.write_bytes(prefix + bytes(64))
     # Allocating 1 PiB would fail with a RuntimeError: the size check comes first.
     with pytest.raises(astage.IntegrityError, match="header says"):
-        await load_replica(path)
+        await load_checkpoint_file(path)
 
 
 @pytest.mark.anyio
 async def test_missing_file_is_an_os_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        await load_replica(tmp_path / "nope.astage")
+        await load_checkpoint_file(tmp_path / "nope.astage")
 
 
 # -- the blocking-I/O helper --------------------------------------------------------------------

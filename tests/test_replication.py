@@ -57,7 +57,7 @@ async def ring_target(rank: int, world: int, root: str, subgroup: list[int] | No
     async with astage.ReplicationStager(group, storage_dir=storage, timeout=30) as rs:
         result = await rs.replicate(state_of(grank), step=3)
         replica = result.replica
-        loaded = await astage.load_replica(result.replica_path)
+        loaded = await astage.load_checkpoint_file(result.replica_path)
         own_ok = same_state(result.staged, state_of(grank))
         listed = astage.find_replicas(storage)
     gsize = dist.get_world_size(group)

@@ -272,7 +272,7 @@ def test_version_1_files_still_load(tmp_path: Path) -> None:
     path.write_bytes(_VERSION_1)
     header = parse_prefix(_VERSION_1)
     assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (1, 3, 7, "v1")
-    state = astage.load_replica_sync(path)
+    state = astage.load_checkpoint_file_sync(path)
     assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3))
     assert state["alias"] is state["w"]
     assert state["p"][:1] == (1,)
@@ -308,7 +308,7 @@ def test_version_2_files_still_load(tmp_path: Path) -> None:
     path.write_bytes(_VERSION_2)
     header = parse_prefix(_VERSION_2)
     assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (2, 3, 7, "v2")
-    state = astage.load_replica_sync(path)
+    state = astage.load_checkpoint_file_sync(path)
     w = torch.arange(6.0).reshape(2, 3)
     assert torch.equal(state["w"], w)
     assert torch.equal(state["t"], w.t())
@@ -515,7 +515,7 @@ def test_malformed_format_2_nodes_are_integrity_errors(edit: Any, tmp_path: Path
     path = tmp_path / "forged.astage"
     path.write_bytes(data)
     with pytest.raises(astage.IntegrityError):
-        astage.load_replica_sync(path)
+        astage.load_checkpoint_file_sync(path)
 
 
 def test_the_forgery_helper_makes_valid_replicas() -> None:

@@ -394,7 +394,7 @@ def test_chunks_covered_by_one_segment_are_views_and_the_rest_are_packed() -> No
 
 
 def test_a_plan_over_many_small_segments_covers_the_body_exactly_in_short_slices() -> None:
-    # 20,000 small storages 64-byte aligned, as the replica format lays them out: every byte of
+    # 20,000 small storages 64-byte aligned, as the checkpoint file format lays them out: every byte of
     # the body comes from its segment or is a zero gap, whatever the chunk grid, and the walk
     # gives the loop a turn (a walk that never yielded would hold it for the whole plan).
     gen = torch.Generator().manual_seed(3)
