@@ -170,6 +170,9 @@ class PoolStats:
     handed_out_bytes: int
     allocated_bytes_ever: int
     waiters: int
+    kept_bytes: int = 0
+    """Of ``free_bytes``, the bytes of released copies their stager keeps whole, to refill in
+    place at its next stage of the same structure (issue 11)."""
 
 
 class BufferPool:
@@ -236,6 +239,7 @@ class BufferPool:
             handed_out_bytes=self._out_bytes - self._kept_bytes,
             allocated_bytes_ever=self._allocated_ever,
             waiters=len(self._queue),
+            kept_bytes=self._kept_bytes,
         )
 
     @property

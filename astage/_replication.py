@@ -72,7 +72,7 @@ from ._persist import (
     replica_path,
     sweep_stale_temps,
 )
-from ._pool import BufferKind, BufferPool
+from ._pool import BufferKind, BufferPool, PoolStats
 from ._sink import _delete, _StreamingSink
 from ._stager import DefaultStager, StageStats
 from ._threads import run_sync
@@ -362,6 +362,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 "encoded must come from encode() with the same step and checkpoint_id as this call"
             )
         return await self._replicate(staged, step, checkpoint_id, None, encoded)
+
+    def inbox_stats(self) -> PoolStats:
+        """Memory of the pool that receives the peer's replicas (reused across steps)."""
+        return self._inbox.stats()
 
     @property
     def phase(self) -> ReplicationPhase:

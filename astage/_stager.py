@@ -269,7 +269,9 @@ class DefaultStager(anyio.abc.AsyncResource):
                 self._loop_users -= 1
 
     def pool_stats(self) -> PoolStats:
-        """Memory held by this stager's buffer pool."""
+        """Memory held by this stager's buffer pool, as of now: buffers whose staged copy was
+        dropped are taken back first, so ``handed_out_bytes`` does not count them."""
+        self._pool.reclaim()
         return self._pool.stats()
 
     # -- staging --------------------------------------------------------------------------

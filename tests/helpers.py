@@ -238,11 +238,9 @@ POISON = 0xA5
 """The byte written over every released buffer: no source tensor in these tests is all 0xA5."""
 
 
-# The two places below reach into a stager's pool; everything else reads ``pool_stats()``.
-# ``free_buffers`` needs the idle memory itself (a stat counts bytes; a late-write check must
-# look at the bytes).  ``_settle`` exists because ``pool_stats()`` counts a buffer whose staged
-# copy was dropped as handed out until the pool next looks (at its next request): reading
-# the stat alone would wait for a stage that never comes.
+# ``free_buffers`` is the one place that reaches into a stager's pool; everything else reads
+# ``pool_stats()``: it needs the idle memory itself (a stat counts bytes; a late-write check
+# must look at the bytes).
 
 
 def free_buffers(stager: DefaultStager) -> list[torch.UntypedStorage]:
@@ -251,8 +249,7 @@ def free_buffers(stager: DefaultStager) -> list[torch.UntypedStorage]:
 
 
 def _settle(stager: DefaultStager) -> int:
-    """Let the pool take back buffers nothing references; then ``handed_out_bytes``."""
-    stager._pool.reclaim()
+    """``handed_out_bytes`` now (``pool_stats()`` first takes back what nothing references)."""
     return stager.pool_stats().handed_out_bytes
 
 

@@ -140,7 +140,7 @@ async def test_aclose_drops_the_kept_copy() -> None:
     assert stager.pool_stats().free_bytes == 4000
     await stager.aclose()
     assert stager.pool_stats().total_bytes == 0
-    assert stager._spare is None
+    assert stager.pool_stats().kept_bytes == 0
 
 
 async def test_a_refused_stage_drops_the_kept_copy_and_the_next_stage_is_faithful() -> None:
@@ -151,7 +151,7 @@ async def test_a_refused_stage_drops_the_kept_copy_and_the_next_stage_is_faithfu
         del staged
         with pytest.raises(UnsupportedInputError):
             await stager.stage({"x": torch.randn(3).to_sparse()})
-        assert stager._spare is None
+        assert stager.pool_stats().kept_bytes == 0
         assert stager.pool_stats().handed_out_bytes == 0, "the dropped copy went back to the pool"
         again = await stager.stage(sd)
         assert stager.last_stats is not None
@@ -175,7 +175,7 @@ async def test_a_cancelled_refill_leaves_the_kept_copy_intact_or_drops_it(step: 
             assert outcome.value is staged
             assert_faithful(outcome.value, sd)
             return
-        if stager._spare is not None:  # cancelled before the refill began: untouched
+        if stager.pool_stats().kept_bytes:  # cancelled before the refill began: untouched
             assert all(bytes_equal(a, b) for a, b in zip(tensors_of(staged), before, strict=True))
         again = await stager.stage(sd)
         assert_faithful(again, sd)
@@ -511,3 +511,18 @@ async def test_skip_unchanged_is_validated() -> None:
     with pytest.raises(ConfigurationError, match="skip_unchanged"):
         StagingOptions(skip_unchanged=1)  # type: ignore[arg-type]
     assert anyio  # the module is imported for the backends' fixtures
+
+
+async def test_pool_stats_count_a_dropped_copy_as_back_and_a_released_one_as_kept() -> None:
+    sd = {"a": torch.randn(1000), "b": torch.randn(24)}
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        assert stager.pool_stats().handed_out_bytes == 4096 and stager.pool_stats().kept_bytes == 0
+        del staged  # dropped, never released: no further stage has to come for the stat to see it
+        assert stager.pool_stats().handed_out_bytes == 0
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        stats = stager.pool_stats()
+        assert stats.kept_bytes == 4096 and stats.free_bytes >= 4096 and stats.handed_out_bytes == 0
+        assert await stager.stage(sd) is staged, "the kept copy is what the next stage refills"
+        assert stager.pool_stats().kept_bytes == 0

@@ -239,7 +239,7 @@ async def inbox_target(rank: int, world: int, root: str) -> dict[str, Any]:
             latest = await rs.replicate(state_of(rank + step), step=step)
             result["latest_ok"] = same_state(latest.replica, state_of(peer + step))
             del latest
-        result["buffers_allocated"] = rs._inbox.stats().allocated_bytes_ever // body
+        result["buffers_allocated"] = rs.inbox_stats().allocated_bytes_ever // body
         return result
 
 
