@@ -517,12 +517,15 @@ async def test_pool_stats_count_a_dropped_copy_as_back_and_a_released_one_as_kep
     sd = {"a": torch.randn(1000), "b": torch.randn(24)}
     async with DefaultStager() as stager:
         staged = await stager.stage(sd)
-        assert stager.pool_stats().handed_out_bytes == 4096 and stager.pool_stats().kept_bytes == 0
+        assert stager.pool_stats().handed_out_bytes == 4096
+        assert stager.pool_stats().kept_bytes == 0
         del staged  # dropped, never released: no further stage has to come for the stat to see it
         assert stager.pool_stats().handed_out_bytes == 0
         staged = await stager.stage(sd)
         await stager.release(staged)
         stats = stager.pool_stats()
-        assert stats.kept_bytes == 4096 and stats.free_bytes >= 4096 and stats.handed_out_bytes == 0
+        assert stats.kept_bytes == 4096
+        assert stats.free_bytes >= 4096
+        assert stats.handed_out_bytes == 0
         assert await stager.stage(sd) is staged, "the kept copy is what the next stage refills"
         assert stager.pool_stats().kept_bytes == 0

@@ -99,7 +99,9 @@ async def test_waiters_are_served_first_in_first_out() -> None:
             await anyio.wait_all_tasks_blocked()  # waiter i is queued before i + 1 starts
         assert pool.stats().waiters == 6
         pool.give_back(first)
-    assert order == list(range(6))
+    # Waiters are granted in queue order, two at a time here (40 + 60 fill the cap); trio
+    # resumes tasks woken together in an arbitrary order, so only each pair's set is fixed.
+    assert [set(order[k : k + 2]) for k in (0, 2, 4)] == [{0, 1}, {2, 3}, {4, 5}], order
     assert pool.stats().total_bytes <= 100
 
 
