@@ -61,7 +61,7 @@ from ._format import FileHeader
 from ._frames import drop_frames
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
-from ._local_restore import ReplicaPlaces, restore_local
+from ._local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
 from ._markers import Marker
 from ._persist import blocking_io, load_checkpoint_file
 from ._persisting import EventKind, Job, Persister
@@ -691,7 +691,9 @@ class Checkpointer(AsyncResource):
 
     # -- restoring -----------------------------------------------------------------------
 
-    async def restore(self, step: int | None = None, *, collective: bool | None = None) -> Any:
+    async def restore(
+        self, step: int | None = None, *, collective: bool | None = None, on_read: OnRead | None = None
+    ) -> Any:
         """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU.
 
         **Collective** (``collective=True``; the default when ``replication`` is a
@@ -708,15 +710,24 @@ class Checkpointer(AsyncResource):
         newest valid replica of this rank's ``step`` is used: from the replication object's
         ``fetch_replica`` if it has one, then from ``fallback_dirs`` (a shared file system).
 
+        :param on_read: called on the event loop as ``on_read(bytes_done, bytes_total)``
+            while the body is read or received, from ``(0, total)`` up to
+            ``(total, total)``; a copy refused and replaced by another starts again from 0.
+            An exception it raises is logged, not propagated.  Restores that take over a
+            second also log their progress at INFO on ``astage.checkpointer``.
         :raises ResourceError: nothing is committed, or the step is neither committed
             here nor found among the replicas.
         :raises IntegrityError: every copy found is corrupt or does not match (each named).
         :raises ClosedError: the Checkpointer is not open.
         :raises PeerTimeoutError: (collective) a peer did not take part within the timeout.
         :raises TransportError: (collective) a peer failed; the group is then broken.
-        :raises ConfigurationError: ``collective=True`` without a ReplicationStager.
+        :raises ConfigurationError: ``collective=True`` without a ReplicationStager, or
+            ``on_read`` is not callable.
         """
         self._check_open("restore")
+        if on_read is not None and not callable(on_read):
+            raise ConfigurationError(f"on_read must be callable or None, not {type(on_read).__name__}")
+        progress = ReadProgress(on_read)
         if collective is None or collective:
             from ._replication import ReplicationStager
 
@@ -724,7 +735,7 @@ class Checkpointer(AsyncResource):
                 from ._restore import collective_restore
 
                 return await collective_restore(
-                    self, self._replication, None if step is None else _check_step(step)
+                    self, self._replication, None if step is None else _check_step(step), progress
                 )
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
@@ -735,11 +746,17 @@ class Checkpointer(AsyncResource):
         _check_step(step)
         fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
         places = ReplicaPlaces(fetch, self._fallback_dirs, self._limiter)
-        load_own = functools.partial(self._load_local, step)
+        load_own = functools.partial(self._load_local, step, on_read=progress.advance)
         marker = self._committed.get(step)
-        return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places)
+        return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places, progress)
 
-    async def _load_local(self, step: int, path: Path, check: Callable[[FileHeader], None]) -> Any:
+    async def _load_local(
+        self,
+        step: int,
+        path: Path,
+        check: Callable[[FileHeader], None],
+        on_read: Callable[[int], None] | None = None,
+    ) -> Any:
         """Load ``path``, this rank's file of ``step``, never through a link.
 
         :raises PersistError: the step directory is a link or not a directory.
@@ -749,7 +766,9 @@ class Checkpointer(AsyncResource):
         opener = functools.partial(open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
         step_fd = await blocking_io(opener, limiter=self._limiter)
         try:
-            return await load_checkpoint_file(path, limiter=self._limiter, check=check, dir_fd=step_fd)
+            return await load_checkpoint_file(
+                path, limiter=self._limiter, check=check, dir_fd=step_fd, on_read=on_read
+            )
         finally:
             with anyio.CancelScope(shield=True):
                 await blocking_io(os.close, step_fd, limiter=self._limiter)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,56 @@ log = logging.getLogger("astage.checkpointer")
 LoadOwn = Callable[[Path, Callable[[FileHeader], None]], Awaitable[Any]]
 """Loads this rank's own file of the step, checking its header first."""
 
+OnRead = Callable[[int, int], object]
+"""``Checkpointer.restore``'s ``on_read(bytes_done, bytes_total)``."""
+
+_LOG_EVERY = 1.0  # seconds: the first line comes once a restore has taken this long
+
+
+class ReadProgress:
+    """Reports the body bytes a restore has read or received: to ``on_read`` and the log.
+
+    Each copy tried (the own file, a replica, a copy received from the holder) starts again
+    from 0 with :meth:`begin`; the bytes then only grow, to that copy's body size.
+    """
+
+    def __init__(self, on_read: OnRead | None) -> None:
+        self.on_read = on_read
+        self.step = -1
+        self.done = 0
+        self.total = 0
+        self.logged = time.monotonic()  # no line before the restore has taken _LOG_EVERY
+
+    def begin(self, step: int, total: int) -> None:
+        """A copy of ``step`` with a ``total``-byte body is about to be read."""
+        self.step, self.done, self.total = step, 0, total
+        self._report()
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` more of the body were read or received."""
+        self.done += nbytes
+        self._report()
+
+    def checking(self, step: int, check: Callable[[FileHeader], None]) -> Callable[[FileHeader], None]:
+        """``check``, then :meth:`begin` with the body size of the header it accepted."""
+
+        def checked(header: FileHeader) -> None:
+            check(header)
+            self.begin(step, header.body_nbytes)
+
+        return checked
+
+    def _report(self) -> None:
+        if self.on_read is not None:
+            try:
+                self.on_read(self.done, self.total)
+            except Exception:  # a progress display must not fail the restore
+                log.exception("the on_read callback failed at %d of %d bytes", self.done, self.total)
+        now = time.monotonic()
+        if now - self.logged >= _LOG_EVERY:
+            self.logged = now
+            log.info("restoring step %d: %.1f of %.1f MB", self.step, self.done / 1e6, self.total / 1e6)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaPlaces:
@@ -41,12 +92,19 @@ class ReplicaPlaces:
 
 
 async def restore_local(
-    step: int, marker: Marker | None, step_dir: Path, rank: int, load_own: LoadOwn, places: ReplicaPlaces
+    step: int,
+    marker: Marker | None,
+    step_dir: Path,
+    rank: int,
+    load_own: LoadOwn,
+    places: ReplicaPlaces,
+    progress: ReadProgress,
 ) -> Any:
     """The state_dict of ``rank``'s ``step``: from its own file if committed, else a replica.
 
     :param marker: the step's commit marker, ``None`` when it is not committed here.
     :param step_dir: the step's directory under the checkpoint directory.
+    :param load_own: reports its bytes read to ``progress`` itself.
     :raises ResourceError: the step is neither committed here nor found among the replicas.
     :raises IntegrityError: every copy found is corrupt or does not match (each named).
     """
@@ -57,7 +115,7 @@ async def restore_local(
             path, step=step, rank=rank, checkpoint_id=marker.checkpoint_id, entry=marker.files[0]
         )
         try:
-            return await load_own(path, check)
+            return await load_own(path, progress.checking(step, check))
         except (IntegrityError, OSError) as exc:
             log.warning("the local checkpoint of step %d is unusable, trying replicas: %s", step, exc)
             problems.append(str(exc))
@@ -65,7 +123,9 @@ async def restore_local(
     for path in await _replica_candidates(step, rank, places, problems):
         check = header_check(path, step=step, rank=rank, checkpoint_id=checkpoint_id, entry=None)
         try:
-            state = await load_checkpoint_file(path, limiter=places.limiter, check=check)
+            state = await load_checkpoint_file(
+                path, limiter=places.limiter, check=progress.checking(step, check), on_read=progress.advance
+            )
         except (IntegrityError, OSError) as exc:
             log.warning("replica %s is unusable: %s", path, exc)
             problems.append(str(exc))

@@ -660,6 +660,7 @@ async def load_checkpoint_file(
     limiter: anyio.CapacityLimiter | None = None,
     check: Callable[[FileHeader], None] | None = None,
     dir_fd: int | None = None,
+    on_read: Callable[[int], None] | None = None,
 ) -> Any:
     """Read, validate and rebuild the state_dict stored at ``path`` (tensors on the CPU).
 
@@ -670,6 +671,9 @@ async def load_checkpoint_file(
         read; it raises to refuse the file (so a file replaced meanwhile is never mistaken).
     :param dir_fd: open ``path``'s name relative to this directory descriptor (``path``
         itself then only names the file in messages).
+    :param on_read: called on the event loop with the byte count of each chunk of the body
+        once read, as :func:`load_checkpoint_file_sync`'s (the body's length is the
+        header's ``body_nbytes``, which ``check`` sees first).
     :raises IntegrityError: the file is truncated, has trailing bytes, or is corrupt or
         tampered anywhere; or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
@@ -682,6 +686,8 @@ async def load_checkpoint_file(
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
         for view, offset in _chunks(header, body):
             await blocking_io(f.read_into, view, offset, limiter=limiter)
+            if on_read is not None:
+                on_read(len(view))
         return await blocking_io(f.decode, header, body, limiter=limiter)
     finally:
         with anyio.CancelScope(shield=True):

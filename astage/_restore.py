@@ -49,6 +49,7 @@ import torch
 from . import _transport
 from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError, describe
 from ._format import BodyVerifier, FileHeader, parse_prefix
+from ._local_restore import ReadProgress
 from ._persist import (
     DirOpener,
     _CheckpointFile,
@@ -319,12 +320,20 @@ class _HealingSink(_StreamingSink):
     """
 
     def __init__(
-        self, path: Path, owner_rank: int, step: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
+        self,
+        path: Path,
+        owner_rank: int,
+        step: int,
+        inbox: BufferPool,
+        progress: ReadProgress,
+        *,
+        open_dir: DirOpener | None = None,
     ) -> None:
         # The inbox is not used: the body becomes the restored state, and a fresh buffer is
         # faulted in by the receiving threads as it lands instead of being pre-faulted first.
         super().__init__(path, owner_rank, inbox, open_dir=open_dir)
         self.step = step
+        self.progress = progress
         self.empty = False
         self.body: torch.Tensor | None = None
 
@@ -352,11 +361,14 @@ class _HealingSink(_StreamingSink):
                 f"its header says {self.verifier.header.body_nbytes}"
             )
         self.body = torch.empty(nbytes, dtype=torch.uint8)  # (drained and dropped unless valid)
+        self.progress.begin(self.step, nbytes)
         return self.body
 
     async def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
         if self.verifier is not None and self.error is None:
             await super().on_chunk(offset, chunk)
+        # Received, and written and verified (or drained once refused).
+        self.progress.advance(chunk.numel() * chunk.element_size())
 
     async def finish(self) -> FileHeader:
         self.exchanged = True
@@ -384,8 +396,12 @@ class _Attempt:
     unwritable: PersistError | None = None
 
 
-async def collective_restore(ckpt: Checkpointer, rs: ReplicationStager, step: int | None) -> Any:
+async def collective_restore(
+    ckpt: Checkpointer, rs: ReplicationStager, step: int | None, progress: ReadProgress
+) -> Any:
     """Restore ``step`` (default: the newest every rank can) on every rank of ``rs``'s group.
+
+    ``progress`` sees the bytes of this rank's own file read, or of its copy received.
 
     :raises ConfigurationError: the Checkpointer's rank is not the rank in the group.
     :raises ResourceError: no step every rank can restore (names the ranks and steps).
@@ -407,7 +423,7 @@ async def collective_restore(ckpt: Checkpointer, rs: ReplicationStager, step: in
     async with rs._lock:
         rs._check_usable()
         try:
-            return await _restore(ckpt, rs, step)
+            return await _restore(ckpt, rs, step, progress)
         except (ConfigurationError, ResourceError, IntegrityError, PersistError):
             # Decided alike on every rank after a complete round (or this rank's own disk
             # failed after one): the group is in step and stays usable.
@@ -417,7 +433,9 @@ async def collective_restore(ckpt: Checkpointer, rs: ReplicationStager, step: in
             raise
 
 
-async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | None) -> Any:
+async def _restore(
+    ckpt: Checkpointer, rs: ReplicationStager, requested: int | None, progress: ReadProgress
+) -> Any:
     started = time.perf_counter()
     deadline = started + rs.timeout
     own_bad: set[int] = set()
@@ -431,7 +449,7 @@ async def _restore(ckpt: Checkpointer, rs: ReplicationStager, requested: int | N
         records = await all_gather(rs, mine.record(), kind=_INVENTORY, round_=round_, deadline=deadline)
         inventories = [Inventory.from_record(r, source, rs.world_size) for source, r in enumerate(records)]
         plan = plan_restore(inventories, requested, refused)
-        attempt = await _attempt(ckpt, rs, plan, held, deadline)
+        attempt = await _attempt(ckpt, rs, plan, held, deadline, progress)
         if attempt.error is not None:
             raise attempt.error
         outcomes = await all_gather(
@@ -499,7 +517,12 @@ def _judge(
 
 
 async def _attempt(
-    ckpt: Checkpointer, rs: ReplicationStager, plan: RestorePlan, held: dict[int, Path], deadline: float
+    ckpt: Checkpointer,
+    rs: ReplicationStager,
+    plan: RestorePlan,
+    held: dict[int, Path],
+    deadline: float,
+    progress: ReadProgress,
 ) -> _Attempt:
     """Load this rank's copy of the agreed step, and carry out the transfers it takes part in."""
     attempt = _Attempt()
@@ -515,7 +538,7 @@ async def _attempt(
         path = ckpt.step_dir(s) / entry.name
         check = _header_check(path, step=s, rank=ckpt.rank, checkpoint_id=marker.checkpoint_id, entry=entry)
         try:
-            attempt.state = await ckpt._load_local(s, path, check)
+            attempt.state = await ckpt._load_local(s, path, progress.checking(s, check), progress.advance)
             attempt.local = OK
         except (OSError, IntegrityError) as exc:
             log.warning("rank %d: the local checkpoint of step %d is unusable: %s", rs.rank, s, exc)
@@ -523,7 +546,8 @@ async def _attempt(
 
     async def transfer() -> None:
         try:
-            await _transfer(ckpt, rs, plan, held.get(s) if send else None, send, receive, attempt, deadline)
+            source = held.get(s) if send else None
+            await _transfer(ckpt, rs, plan, source, send, receive, attempt, deadline, progress)
         except Exception as exc:
             attempt.error = exc
             raise
@@ -549,9 +573,10 @@ async def _transfer(
     receive: bool,
     attempt: _Attempt,
     deadline: float,
+    progress: ReadProgress,
 ) -> None:
     payload = await _outgoing(rs, plan.step, source) if send else None
-    sink = await _incoming(ckpt, rs, plan.step, attempt) if receive else None
+    sink = await _incoming(ckpt, rs, plan.step, attempt, progress) if receive else None
     try:
         await rs._wire(
             payload,
@@ -582,7 +607,9 @@ async def _outgoing(rs: ReplicationStager, step: int, source: Path | None) -> _t
         return _transport.Payload(b"", (), 0)
 
 
-async def _incoming(ckpt: Checkpointer, rs: ReplicationStager, step: int, attempt: _Attempt) -> _HealingSink:
+async def _incoming(
+    ckpt: Checkpointer, rs: ReplicationStager, step: int, attempt: _Attempt, progress: ReadProgress
+) -> _HealingSink:
     """The sink that writes the copy of ``step`` received from the holder as this rank's own."""
     try:
         await _forget_step(ckpt, step)
@@ -592,7 +619,8 @@ async def _incoming(ckpt: Checkpointer, rs: ReplicationStager, step: int, attemp
         )
     # The step directory is opened without following a link, like the Checkpointer's own.
     opener = ckpt._step_dir_opener(step)
-    return _HealingSink(ckpt.step_dir(step) / ckpt._data_name, rs.rank, step, rs._inbox, open_dir=opener)
+    path = ckpt.step_dir(step) / ckpt._data_name
+    return _HealingSink(path, rs.rank, step, rs._inbox, progress, open_dir=opener)
 
 
 async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, attempt: _Attempt) -> None:
