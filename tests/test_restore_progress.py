@@ -196,3 +196,26 @@ def test_a_collective_restore_reports_the_bytes_read_or_received(tmp_path: Path,
         # does not reach the group's processes): one; rank 1 receives its copy from rank 0
         # in the transport's 4 KiB chunks.
         assert_ramp(run, min_calls=2 if rank == 0 else STATE_NBYTES // (4 << 10))
+
+
+# -- the snippet in docs/logging.md --------------------------------------------------------
+
+
+def logging_guide_snippet() -> str:
+    text = (Path(__file__).parent.parent / "docs" / "logging.md").read_text()
+    section = text[text.index("## Progress of a restore") :]
+    return section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
+
+
+@pytest.mark.anyio
+async def test_the_guide_s_progress_bar_snippet_restores(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    namespace: dict[str, Any] = {}
+    exec(compile(logging_guide_snippet(), "docs/logging.md", "exec"), namespace)
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        await ckpt.save(1, model_state(1, STATE_NBYTES))
+        await ckpt.wait()
+        with caplog.at_level(logging.ERROR, logger="astage.checkpointer"):
+            assert_same_tree(await namespace["restore_with_a_bar"](ckpt), model_state(1, STATE_NBYTES))
+    assert "on_read callback failed" not in caplog.text  # the bar's updates worked
