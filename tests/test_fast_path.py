@@ -8,6 +8,8 @@ identity, and a copy is only refilled when it was released whole.
 from __future__ import annotations
 
 import gc
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +158,92 @@ async def test_a_refused_stage_drops_the_kept_copy_and_the_next_stage_is_faithfu
         again = await stager.stage(sd)
         assert stager.last_stats is not None
         assert stager.last_stats.bytes_allocated == 0
+        assert_faithful(again, sd)
+
+
+def handed_early(caplog: pytest.LogCaptureFixture) -> tuple[int, bool]:
+    """From the stager's log of its last overlapped refill: batches handed to the copy
+    thread before the re-check finished, and whether the re-check passed."""
+    records = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refill:")]
+    assert records, "the refill did not overlap the copy with the re-check"
+    found = re.match(r"refill: (\d+) of (\d+) batches", records[-1])
+    assert found is not None
+    return int(found[1]), "the re-check failed" not in records[-1]
+
+
+def many_small(n: int = 4096) -> dict[str, torch.Tensor]:
+    return {f"k{i}": torch.full((16,), float(i)) for i in range(n)}
+
+
+async def test_a_refill_copies_the_checked_batches_while_it_rechecks_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sd = many_small()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(1)
+        with caplog.at_level(logging.DEBUG, logger="astage.stager"):
+            again = await stager.stage(sd)
+        assert again is staged
+        assert_faithful(again, sd)
+        early, passed = handed_early(caplog)
+        assert passed
+        assert early > 0, "no batch went to the copy thread before the whole re-check finished"
+
+
+@pytest.mark.parametrize("change", ["reshape", "dtype", "shared", "set_"])
+async def test_a_refill_whose_last_tensor_fails_the_recheck_is_never_returned(
+    change: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    sd = many_small()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(1)
+        last = f"k{len(sd) - 1}"
+        if change == "reshape":
+            sd[last] = sd[last].reshape(4, 4)
+        elif change == "dtype":
+            sd[last] = sd[last].double()
+        elif change == "shared":
+            sd[last] = sd["k0"][:]
+        else:
+            sd[last].set_(torch.full((16,), -1.0).untyped_storage())
+        with caplog.at_level(logging.DEBUG, logger="astage.stager"):
+            again = await stager.stage(sd)
+        early, passed = handed_early(caplog)
+        assert not passed
+        assert early > 0, "the failure must come after batches were copied for this test to mean anything"
+        assert again is not staged, "a half-refilled copy was returned"
+        assert_faithful(again, sd)
+        assert stager.pool_stats().kept_bytes == 0
+
+
+@pytest.mark.parametrize("step", [1, 3, 6, 10, 16])
+async def test_a_refill_cancelled_while_batches_are_copied_is_dropped_and_the_next_stage_faithful(
+    step: int,
+) -> None:
+    sd = many_small()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        before = [t.clone() for t in tensors_of(staged)]
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(1)
+        outcome = await run_cancelled_at(step, lambda: stager.stage(sd))
+        if not outcome.cancelled:
+            assert outcome.value is staged
+            assert_faithful(outcome.value, sd)
+            return
+        if stager.pool_stats().kept_bytes:  # cancelled before the refill began: untouched
+            assert all(bytes_equal(a, b) for a, b in zip(tensors_of(staged), before, strict=True))
+        again = await stager.stage(sd)
         assert_faithful(again, sd)
 
 
