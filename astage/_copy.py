@@ -16,12 +16,9 @@ caller's compute stream, and completion is an event the caller awaits from the l
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from functools import partial
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import anyio
@@ -247,63 +244,3 @@ def enqueue_device_copies(plan_batches: Sequence[Batch], side_stream: Any, compu
         for batch in plan_batches:
             run_batch(batch, non_blocking=True)
         return side_stream.record_event()
-
-
-class CopyFeed:
-    """Batches handed one by one to a copy running in a worker thread (see :func:`feeding_copies`).
-
-    ``put`` never blocks the loop: the batch goes into a queue the thread empties in order.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self.fed = 0
-        """Batches handed over so far."""
-
-    def put(self, batch: Batch) -> None:
-        self.fed += 1
-        self._queue.put(batch)
-
-    def stop(self) -> None:
-        """Copy no further batch (after the one being copied): the copy is to be dropped."""
-        self._stop.set()
-        self._queue.put(None)
-
-    def _work(self) -> None:
-        try:
-            while not self._stop.is_set():
-                batch = self._queue.get()
-                if batch is None:
-                    break
-                run_batch(batch)
-                del batch  # an idle thread pins no buffer
-        finally:
-            # Drop what was never copied: nothing here may pin a buffer.
-            self._stop.set()
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    self._queue.get_nowait()
-
-
-@contextlib.asynccontextmanager
-async def feeding_copies(limiter: anyio.CapacityLimiter | None) -> AsyncIterator[CopyFeed]:
-    """A worker thread that copies the batches put into the yielded feed, in order, while
-    the caller goes on working on the loop (ATen releases the GIL while it copies).
-
-    On a normal exit this waits until every batch put is copied.  On an error or a
-    cancellation in the body, or after :meth:`CopyFeed.stop`, the thread stops after the
-    batch it is copying, and this waits for that (shielded), so no thread writes into a
-    buffer once this has exited.
-    """
-    feed = CopyFeed()
-    async with anyio.create_task_group() as tg:
-        # Not abandoned on cancellation: the task group waits for the thread, which the
-        # stop below ends within one batch.
-        tg.start_soon(partial(anyio.to_thread.run_sync, feed._work, limiter=limiter))
-        try:
-            yield feed
-        except BaseException:
-            feed.stop()
-            raise
-        feed._queue.put(None)

@@ -190,13 +190,13 @@ _RUN_CHUNK = 256
 class _Matcher:
     """Walks a state_dict alongside a plan, collecting its tensors in plan order."""
 
-    def __init__(self, fast: FastPlan, meta_only: bool, sources: list[torch.Tensor]) -> None:
+    def __init__(self, fast: FastPlan, meta_only: bool) -> None:
         self.meta_only = meta_only
         self.signatures = fast.signatures
         self.key_types = fast.key_types
         self.runs = fast.runs
         self.guards = fast.guards
-        self.sources = sources
+        self.sources: list[torch.Tensor] = []
         self.containers: set[int] = set()
         self.keepalive: list[object] = []  # ids stay unique only while the objects live
 
@@ -329,11 +329,7 @@ class _Matcher:
 
 
 def iter_match(
-    fast: FastPlan,
-    state_dict: Any,
-    *,
-    meta_only: bool = False,
-    matched: list[torch.Tensor] | None = None,
+    fast: FastPlan, state_dict: Any, *, meta_only: bool = False
 ) -> Steps[list[torch.Tensor] | None]:
     """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
 
@@ -346,11 +342,8 @@ def iter_match(
 
     :param meta_only: check every tensor but not which storage it views (for a staged
         copy, whose storages are the caller's to check).
-    :param matched: the list to collect the sources in: between two slices it holds the
-        tensors of plan positions ``0..len(matched)-1``, each of which passed its own check
-        (the whole state_dict has not, until this returns them).
     """
-    matcher = _Matcher(fast, meta_only, [] if matched is None else matched)
+    matcher = _Matcher(fast, meta_only)
     ok = yield from matcher.many((fast.plan.root,), (state_dict,))
     sources = matcher.sources
     if not ok or len(sources) != len(fast.signatures):

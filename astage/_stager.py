@@ -44,11 +44,9 @@ import torch
 from ._compat import refuse_torch_caller
 from ._copy import (
     Batch,
-    CopyFeed,
     CopyLayout,
     copy_in_threads,
     enqueue_device_copies,
-    feeding_copies,
     iter_batches,
     iter_copy_layout,
     run_batch,
@@ -323,15 +321,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         started = clock()
         fast = self._fast
         sources: list[torch.Tensor] | None = None
-        layout = self._layout
-        if fast is not None and layout is not None and self._overlaps(fast, layout):
-            done = await self._refill_overlapped(fast, layout, state_dict, started)
-            if done is not None:
-                return done
-            # The re-check failed and the half-refilled copy is gone: plan anew below.
-            fast = None
         if fast is not None:
             sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
+        layout = self._layout
         if sources is None or fast is None or layout is None:
             # A new structure (or the first stage): plan it, and drop the copy kept for the
             # old one, whose buffers may be needed under the memory cap.
@@ -406,71 +398,6 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         self._remember(plan, spare.serial, sources, spare.tensors)
         stats = self._record(plan, 0, len(plan.storages), 0.0, started, skip)
-        return spare.tree, stats
-
-    def _overlaps(self, fast: FastPlan, layout: CopyLayout) -> bool:
-        """Whether the next stage of ``fast`` refills the kept copy while it re-checks.
-
-        Only host sources copied by worker threads, and not with ``skip_unchanged`` (which
-        decides what to copy from every tensor's counter, so only after the whole check);
-        a device copy keeps the check-then-enqueue order.
-        """
-        spare = self._spare
-        return (
-            spare is not None
-            and spare.fast is fast
-            and self._resolved.async_copy
-            and not self._resolved.skip_unchanged
-            and not layout.device
-            and not layout.device_other
-        )
-
-    async def _refill_overlapped(
-        self, fast: FastPlan, layout: CopyLayout, state_dict: Any, started: float
-    ) -> tuple[Any, StageStats] | None:
-        """Re-check ``state_dict`` against ``fast`` and refill the kept copy at once, or ``None``.
-
-        Each batch of small storages goes to a worker thread as soon as all its tensors have
-        passed their check, so the copy runs while the loop re-checks the rest.  If the
-        whole state_dict then fails the check, the half-refilled copy is dropped (it was
-        released: nobody else references it) and ``None`` says "stage it in full".
-        """
-        spare: _Spare | None = self._spare
-        assert spare is not None  # checked by the caller, with no await since
-        self._spare = None
-        self._pool.unkeep(spare.serial)
-        plan = fast.plan
-        early = 0
-        try:
-            async with feeding_copies(self._limiter) as feed:
-                sources = await run_steps(_iter_match_feeding(fast, layout, state_dict, spare.tensors, feed))
-                early = feed.fed
-                if sources is None:
-                    feed.stop()
-                else:
-                    for idx in layout.host[early:]:
-                        feed.put(([spare.tensors[i] for i in idx], [sources[i] for i in idx]))
-            if sources is not None and layout.host_other:
-                rest = dataclasses.replace(layout, host=())
-                await self._copy(plan, rest, spare.tensors, sources, spare.storage)
-        except BaseException as exc:
-            # The copy is half refilled: drop it (its buffers go back to the pool).
-            traceback.clear_frames(exc.__traceback__)
-            spare = None
-            self._pool.reclaim()
-            raise
-        log.debug(
-            "refill: %d of %d batches handed to the copy while the re-check ran%s",
-            early,
-            len(layout.host),
-            "" if sources is not None else "; the re-check failed, the copy is dropped",
-        )
-        if sources is None:
-            spare = None
-            self._pool.reclaim()
-            return None
-        self._remember(plan, spare.serial, sources, spare.tensors)
-        stats = self._record(plan, 0, len(plan.storages), 0.0, started)
         return spare.tree, stats
 
     async def _copy(
@@ -737,23 +664,6 @@ class _Filled:
     versions: list[int]
     data_ptrs: list[int]
     staged_versions: list[int]
-
-
-def _iter_match_feeding(
-    fast: FastPlan, layout: CopyLayout, state_dict: Any, dst: list[torch.Tensor], feed: CopyFeed
-) -> Steps[list[torch.Tensor] | None]:
-    """:func:`iter_match`, handing each host batch to ``feed`` once its sources are checked."""
-    matched: list[torch.Tensor] = []
-    steps = iter_match(fast, state_dict, matched=matched)
-    batches = layout.host
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return cast(list[torch.Tensor] | None, done.value)
-        while feed.fed < len(batches) and max(idx := batches[feed.fed]) < len(matched):
-            feed.put(([dst[i] for i in idx], [matched[i] for i in idx]))
-        yield
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
