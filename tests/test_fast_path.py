@@ -159,6 +159,32 @@ async def test_a_refused_stage_drops_the_kept_copy_and_the_next_stage_is_faithfu
         assert_faithful(again, sd)
 
 
+@pytest.mark.parametrize("change", ["reshape", "dtype", "shared", "set_"])
+async def test_a_released_copy_whose_last_tensor_fails_the_recheck_is_never_returned(change: str) -> None:
+    # Many tensors, and the change in the very last one: a refill that copied the batches
+    # checked so far (issue 11's overlap) must drop that half-refilled copy.
+    sd = {f"k{i}": torch.full((16,), float(i)) for i in range(4096)}
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(1)
+        last = f"k{len(sd) - 1}"
+        if change == "reshape":
+            sd[last] = sd[last].reshape(4, 4)
+        elif change == "dtype":
+            sd[last] = sd[last].double()
+        elif change == "shared":
+            sd[last] = sd["k0"][:]
+        else:
+            sd[last].set_(torch.full((16,), -1.0).untyped_storage())
+        again = await stager.stage(sd)
+        assert again is not staged, "a copy planned for another structure was returned"
+        assert_faithful(again, sd)
+        assert stager.pool_stats().kept_bytes == 0
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=["full", "skip_unchanged"])
 @pytest.mark.parametrize("step", [0, 1, 2, 3, 5, 8, 13])
 async def test_a_cancelled_refill_leaves_the_kept_copy_intact_or_drops_it(step: int, skip: bool) -> None:
