@@ -29,16 +29,14 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import staging as dcp
 
 import astage
 
-from .bench_staging import ASTAGE, TORCH, Method, judge, stage_once, time_methods
+from .bench_staging import ASTAGE, TORCH, Method, TorchDefault, judge, stage_once, time_methods
 from .common import (
     distinct_storages,
     format_table,
@@ -137,29 +135,10 @@ class AstageGpu:
         await self._stager.aclose()
 
 
-class TorchGpu:
+class TorchGpu(TorchDefault):
     """torch's ``DefaultStager``: pinned memory, non-blocking copies, staging in its thread."""
 
-    note = ""
-
-    def __init__(self, state_dict: Any) -> None:
-        self._stager = dcp.DefaultStager(
-            dcp.StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=True,
-            )
-        )
-
-    async def stage(self, state_dict: Any) -> Any:
-        return await asyncio.wrap_future(cast(Future[Any], self._stager.stage(state_dict)))
-
-    async def release(self, staged: Any) -> None:
-        pass  # torch keeps its cached pinned storages and overwrites them on the next stage
-
-    async def aclose(self) -> None:
-        self._stager.close()
+    on_device = True
 
 
 METHODS: dict[str, Callable[[Any], Method]] = {

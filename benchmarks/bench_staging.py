@@ -168,14 +168,16 @@ class TorchDefault:
     """torch's ``DefaultStager`` (async staging in its thread); its future awaited from the loop."""
 
     note = ""
+    on_device = False
+    """Pinned memory and non-blocking copies (the GPU benchmark's subclass sets it)."""
 
     def __init__(self, state_dict: Any) -> None:
         self._stager = dcp.DefaultStager(
             dcp.StagingOptions(
-                use_pinned_memory=False,
+                use_pinned_memory=self.on_device,
                 use_shared_memory=False,
                 use_async_staging=True,
-                use_non_blocking_copy=False,
+                use_non_blocking_copy=self.on_device,
             )
         )
 
