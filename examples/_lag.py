@@ -23,6 +23,7 @@ class SaveLag:
     def __init__(self, period: float = 0.001) -> None:
         self.period = period
         self.samples: list[float] = []
+        self._woke = asyncio.Event()  # set at each wake-up, counted or not
         self._window: float | None = None  # when the current measuring() block began
         self._expected: float | None = None  # when the pending beat should wake up
 
@@ -34,9 +35,15 @@ class SaveLag:
         while True:
             self._expected = expected = clock() + self.period
             await asyncio.sleep(self.period)
+            self._woke.set()
             if self._counts(expected):
                 self.samples.append(clock() - expected)
             self._expected = None
+
+    async def next_beat(self) -> None:
+        """Return once the heartbeat has woken up again (tests wait on it, not on time)."""
+        self._woke.clear()
+        await self._woke.wait()
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:

@@ -36,7 +36,7 @@ async def _probe(hold_outside: float, hold_inside: float) -> list[float]:
             await asyncio.sleep(0.02)  # a save that lets the loop run ...
             hold_the_loop(hold_inside)  # ... and then holds it
         hold_the_loop(hold_outside)  # the next training step
-        await asyncio.sleep(0.005)  # the late beat wakes up now, outside the save
+        await lag.next_beat()  # the late beat wakes up now, outside the save
     finally:
         beat.cancel()
     return lag.samples
