@@ -158,3 +158,34 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's storage."""
     return int(t.untyped_storage()._cdata)
+
+
+def rank_state(seed: int, rank: int, meta: dict[str, Any], size: int = 1000) -> dict[str, Any]:
+    """A rank's distinctive state: aliasing views, a Parameter, several dtypes, ``meta`` leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(size, generator=gen)
+    return {
+        "model": {
+            "w": base.view(10, size // 10),
+            "w_t": base.view(10, size // 10).t(),
+            "p": torch.nn.Parameter(torch.randn(7, generator=gen)),
+            "ids": torch.arange(rank, rank + 5),
+            "half": torch.randn(3, generator=gen).to(torch.bfloat16),
+        },
+        "meta": meta,
+    }
+
+
+def same_state(got: Any, want: Any) -> bool:
+    """Same tree: keys in order, tensors byte-equal with equal strides, equal other leaves."""
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and bytes_equal(got, want) and got.stride() == want.stride()
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and list(got) == list(want)
+            and all(same_state(got[k], want[k]) for k in want)
+        )
+    if isinstance(want, list | tuple):
+        return len(got) == len(want) and all(same_state(a, b) for a, b in zip(got, want, strict=True))
+    return bool(got == want)

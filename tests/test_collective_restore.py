@@ -21,39 +21,15 @@ import astage
 from astage import IntegrityError, PeerTimeoutError, ResourceError, TransportError, _restore
 from astage._restore import Inventory, plan_restore
 from tests.distributed import run_group, stop_self
-from tests.statedicts import bytes_equal, storage_key
+from tests.statedicts import rank_state, same_state, storage_key
 
 TIMEOUT = 3.0
 
 
 def state_of(rank: int, step: int, size: int = 1000) -> dict[str, Any]:
     """A rank's distinctive state at a step: aliasing, a Parameter, non-tensor leaves."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    base = torch.randn(size, generator=gen)
-    return {
-        "model": {
-            "w": base.view(10, size // 10),
-            "w_t": base.view(10, size // 10).t(),
-            "p": torch.nn.Parameter(torch.randn(7, generator=gen)),
-            "ids": torch.arange(rank, rank + 5),
-            "half": torch.randn(3, generator=gen).to(torch.bfloat16),
-        },
-        "meta": {"rank": rank, "step": step, "lr": 0.5, "tags": [1, None, True]},
-    }
-
-
-def same_state(got: Any, want: Any) -> bool:
-    if isinstance(want, torch.Tensor):
-        return isinstance(got, torch.Tensor) and bytes_equal(got, want) and got.stride() == want.stride()
-    if isinstance(want, dict):
-        return (
-            isinstance(got, dict)
-            and list(got) == list(want)
-            and all(same_state(got[k], want[k]) for k in want)
-        )
-    if isinstance(want, list | tuple):
-        return len(got) == len(want) and all(same_state(a, b) for a, b in zip(got, want, strict=True))
-    return bool(got == want)
+    meta = {"rank": rank, "step": step, "lr": 0.5, "tags": [1, None, True]}
+    return rank_state(1000 * step + rank, rank, meta, size)
 
 
 def check(got: Any, rank: int, step: int) -> bool:

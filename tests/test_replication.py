@@ -17,35 +17,15 @@ from astage import ConfigurationError, PeerTimeoutError, PersistError, Transport
 from astage._format import encode
 from astage._persist import is_temp_name, replica_path
 from tests.distributed import kill_self, run_group, stop_self
-from tests.statedicts import bytes_equal, storage_key
+from tests.statedicts import rank_state, same_state, storage_key
 
 TIMEOUT = 4.0
 
 
 def state_of(rank: int, size: int = 1000) -> dict[str, Any]:
     """A rank's distinctive state: aliasing, a Parameter, JSON leaves, several dtypes."""
-    gen = torch.Generator().manual_seed(1000 + rank)
-    base = torch.randn(size, generator=gen)
-    return {
-        "model": {
-            "w": base.view(10, size // 10),
-            "w_t": base.view(10, size // 10).t(),
-            "p": torch.nn.Parameter(torch.randn(7, generator=gen)),
-            "ids": torch.arange(rank, rank + 5),
-            "half": torch.randn(3, generator=gen).to(torch.bfloat16),
-        },
-        "meta": {"rank": rank, "lr": 0.5, "name": f"r{rank}", "tags": [1, None, True]},
-    }
-
-
-def same_state(got: Any, want: Any) -> bool:
-    if isinstance(want, torch.Tensor):
-        return bytes_equal(got, want) and got.stride() == want.stride()
-    if isinstance(want, dict):
-        return list(got) == list(want) and all(same_state(got[k], want[k]) for k in want)
-    if isinstance(want, list | tuple):
-        return len(got) == len(want) and all(same_state(a, b) for a, b in zip(got, want, strict=True))
-    return bool(got == want)
+    meta = {"rank": rank, "lr": 0.5, "name": f"r{rank}", "tags": [1, None, True]}
+    return rank_state(1000 + rank, rank, meta, size)
 
 
 async def ring_target(rank: int, world: int, root: str, subgroup: list[int] | None) -> dict[str, Any]:
