@@ -30,13 +30,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 import astage
 
-from .bench_staging import ASTAGE, TORCH, Method, TorchDefault, judge, stage_once, time_methods
+from .bench_staging import ASTAGE, TORCH, Astage, Method, TorchDefault, judge, stage_once, time_methods
 from .common import (
     distinct_storages,
     format_table,
@@ -116,23 +116,10 @@ class FlatCopy(PinnedCeiling):
         self._sources = [torch.empty(total, dtype=torch.uint8, device=device)]
 
 
-class AstageGpu:
+class AstageGpu(Astage):
     """``astage.DefaultStager``: pinned pool buffers, non-blocking copies on its side stream."""
 
-    note = ""
-
-    def __init__(self, state_dict: Any) -> None:
-        options = astage.StagingOptions(use_pinned_memory=True, use_non_blocking_copy=True)
-        self._stager = astage.DefaultStager(options)
-
-    async def stage(self, state_dict: Any) -> Any:
-        return await self._stager.stage(state_dict)
-
-    async def release(self, staged: Any) -> None:
-        await self._stager.release(staged)
-
-    async def aclose(self) -> None:
-        await self._stager.aclose()
+    extra: ClassVar[dict[str, Any]] = {"use_pinned_memory": True, "use_non_blocking_copy": True}
 
 
 class TorchGpu(TorchDefault):

@@ -128,17 +128,16 @@ class Astage:
 
     note = ""
     extra: ClassVar[dict[str, Any]] = {}
-    """Options beyond the four torch's stager is given."""
+    """Options beyond, or instead of, the four torch's stager is given."""
 
     def __init__(self, state_dict: Any) -> None:
-        options = astage.StagingOptions(
-            use_pinned_memory=False,
-            use_shared_memory=False,
-            use_async_staging=True,
-            use_non_blocking_copy=False,
-            **self.extra,
-        )
-        self._stager = astage.DefaultStager(options)
+        base = {
+            "use_pinned_memory": False,
+            "use_shared_memory": False,
+            "use_async_staging": True,
+            "use_non_blocking_copy": False,
+        }
+        self._stager = astage.DefaultStager(astage.StagingOptions(**{**base, **self.extra}))
 
     async def stage(self, state_dict: Any) -> Any:
         return await self._stager.stage(state_dict)
