@@ -101,11 +101,12 @@ class FastPlan:
     runs: dict[int, int]
     """Containers whose items are all tensors met there first, at consecutive positions:
     ``id(node.values or node.items)`` -> the first position (checked in one tight loop)."""
-    guards: dict[int, tuple[Any, tuple[tuple[int, int, int, bool], ...]]] = dataclasses.field(
-        default_factory=dict
-    )
-    """Chunks of a run that passed a full check, by first position: their ``TensorGuards``
-    and what is left to check in Python (offset, storage, its size, no attributes)."""
+    guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
+    """Chunks of the plan's tensors that passed a full check, by first position: their
+    ``TensorGuards`` and what is left to check in Python (offset, storage, its size, no
+    attributes)."""
+    meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
+    """The same for ``meta_only`` checks (a staged copy's tensors: offset, no attributes)."""
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
@@ -183,84 +184,149 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     return FastPlan(plan, tuple(signatures), key_types, plan.nbytes, runs)
 
 
-_RUN_CHUNK = 256
-"""Tensors checked between two looks at the clock in :meth:`_Matcher.run`."""
+_CHUNK = 256
+"""Tensors checked together (one guard, one look at the clock) in :meth:`_Matcher.tensors`."""
 
 
 class _Matcher:
-    """Walks a state_dict alongside a plan, collecting its tensors in plan order."""
+    """Walks a state_dict alongside a plan, collecting its tensors in plan order.
+
+    The walk checks containers, keys and atoms and only collects tensors; their checks come
+    after (:meth:`tensors`), over the flat list in chunks of :data:`_CHUNK`, so that one
+    guard covers many small containers (an optimizer's ``{"exp_avg", "exp_avg_sq"}`` per
+    parameter) instead of a guard call each.
+    """
 
     def __init__(self, fast: FastPlan, meta_only: bool) -> None:
         self.meta_only = meta_only
         self.signatures = fast.signatures
         self.key_types = fast.key_types
         self.runs = fast.runs
-        self.guards = fast.guards
-        self.sources: list[torch.Tensor] = []
+        self.guards = fast.meta_guards if meta_only else fast.guards
+        self.sources: list[Any] = []
         self.containers: set[int] = set()
         self.keepalive: list[object] = []  # ids stay unique only while the objects live
 
-    def container(self, node: Node, x: Any) -> Steps[bool]:
-        if id(x) in self.containers:  # met twice: the planner would make a RefNode (or refuse a cycle)
+    def enter(self, x: Any) -> bool:
+        """Whether ``x`` is met for the first time (a container met twice would be a
+        RefNode, or a refused cycle, in a new plan)."""
+        if id(x) in self.containers:
             return False
         self.containers.add(id(x))
         self.keepalive.append(x)
+        return True
+
+    def dict_items(self, node: DictNode, x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """The values and attribute values of dict ``x`` if its type, keys and attribute
+        names are ``node``'s; one snapshot, taken before the walk yields (issue 9)."""
+        proto = node.prototype
+        if type(x) is not (dict if proto is None else type(proto)):
+            return None
+        keys, values = tuple(x), tuple(x.values())
+        if len(keys) != len(values) or keys != node.keys:
+            return None
+        if tuple(map(type, keys)) != self.key_types[node.memo]:
+            return None
+        if proto is None:  # a plain dict has no attributes
+            return values, ()
+        state = getattr(x, "__dict__", None) or {}
+        names, attr_values = tuple(state), tuple(state.values())
+        if names != tuple(name for name, _ in node.attrs):
+            return None
+        return values, attr_values
+
+    def container(self, node: Node, x: Any) -> Steps[bool]:
+        if not self.enter(x):
+            return False
         if type(node) is DictNode:
-            proto = node.prototype
-            if type(x) is not (dict if proto is None else type(proto)):
-                return False
-            # One snapshot of keys and values, taken before the walk yields (issue 9).
-            keys, values = tuple(x), tuple(x.values())
-            if len(keys) != len(values) or keys != node.keys:
-                return False
-            if tuple(map(type, keys)) != self.key_types[node.memo]:
-                return False
-            state = getattr(x, "__dict__", None) or {}
-            names, attr_values = tuple(state), tuple(state.values())
-            if names != tuple(name for name, _ in node.attrs):
+            items = self.dict_items(node, x)
+            if items is None:
                 return False
             # The planner walks the items first, then the attributes: tensors keep their order.
-            if not (yield from self.many(node.values, values)):
+            if not (yield from self.many(node.values, items[0])):
                 return False
-            return (yield from self.many(tuple(n for _, n in node.attrs), attr_values))
+            return (yield from self.many(tuple(n for _, n in node.attrs), items[1]))
         if type(node) is SeqNode:
             if type(x) is not node.cls:
                 return False
-            items: tuple[Any, ...] = tuple(cast(Any, x))
-            if len(items) != len(node.items):
+            values: tuple[Any, ...] = tuple(cast(Any, x))
+            if len(values) != len(node.items):
                 return False
-            return (yield from self.many(node.items, items))
+            return (yield from self.many(node.items, values))
         return False  # pragma: no cover - an eligible plan holds no other node
 
-    def run(self, first: int, values: tuple[Any, ...]) -> Steps[bool]:
-        """Check a container's items that are all new tensors: the common case, kept to the
-        cost of reading each signature (~1 us a tensor)."""
-        signatures, sources = self.signatures, self.sources
-        for start in range(0, len(values), _RUN_CHUNK):
-            chunk = values[start : start + _RUN_CHUNK]
-            expected = signatures[first + start : first + start + len(chunk)]
-            if len(chunk) != len(expected):
-                return False
-            if not self.meta_only and self.guarded(first + start, chunk):
-                sources.extend(chunk)
+    def run_dict(self, node: DictNode, x: Any) -> bool:
+        """A dict whose items are all tensors met there first (the common leaf), without a
+        generator: its tensors are collected, and checked later with the rest."""
+        if not self.enter(x):
+            return False
+        items = self.dict_items(node, x)
+        if items is None or items[1]:
+            return False
+        self.sources.extend(items[0])
+        return True
+
+    def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
+        sources, append, runs = self.sources, self.sources.append, self.runs
+        if len(values) != len(nodes):
+            return False
+        first = runs.get(id(nodes))
+        if first is not None and first == len(sources):
+            sources.extend(values)
+            return True
+        try:
+            for node, v in zip(nodes, values, strict=True):
+                cls = type(node)
+                if cls is TensorNode:
+                    p = node.position  # type: ignore[union-attr]
+                    n = len(sources)
+                    if p == n:
+                        append(v)
+                    elif p > n or v is not sources[p]:  # the plan met this very tensor before
+                        return False
+                elif cls is AtomNode:
+                    if not _same_atom(node.value, v):  # type: ignore[union-attr]
+                        return False
+                elif (
+                    cls is DictNode
+                    and not node.attrs  # type: ignore[union-attr]
+                    and runs.get(id(node.values)) == len(sources)  # type: ignore[union-attr]
+                ):
+                    if not self.run_dict(node, v):  # type: ignore[arg-type]
+                        return False
+                elif not (yield from self.container(node, v)):
+                    return False
                 if slice_over():
                     yield
-                continue
-            # Not a tensor: AttributeError, caught by many().
-            got = tuple(map(tensor_signature, chunk))
-            if self.meta_only:  # release(): the staged copy's storages are checked apart
-                got, expected = tuple(g[_META] for g in got), tuple(e[_META] for e in expected)
-            if got != expected:
-                return False
-            for v in chunk:
-                if v.__dict__:
+        except Exception:  # a value the plan never saw
+            return False
+        return True
+
+    def tensors(self) -> Steps[bool]:
+        """Check every collected value against its planned tensor, a chunk at a time: by its
+        guard where the chunk passed in full once, else in full (which then arms one)."""
+        sources, signatures = self.sources, self.signatures
+        for start in range(0, len(sources), _CHUNK):
+            chunk = tuple(sources[start : start + _CHUNK])
+            if not self.guarded(start, chunk):
+                expected = signatures[start : start + len(chunk)]
+                try:
+                    if not self.full(chunk, expected):
+                        return False
+                except Exception:  # not a tensor, or one with no storage (sparse, nested, ...)
                     return False
-            if not self.meta_only and _TensorGuards is not None:
-                self.guard(first + start, chunk, expected)
-            sources.extend(chunk)
+                if _TensorGuards is not None:
+                    self.guard(start, chunk, expected)
             if slice_over():
                 yield
         return True
+
+    def full(self, chunk: tuple[Any, ...], expected: tuple[tuple[Any, ...], ...]) -> bool:
+        """Every field of every tensor of ``chunk`` (raises on a value that is not one)."""
+        got = tuple(map(tensor_signature, chunk))
+        if self.meta_only:  # release(): the staged copy's storages are checked apart
+            got, expected = tuple(g[_META] for g in got), tuple(e[_META] for e in expected)
+        return got == expected and not any(v.__dict__ for v in chunk)
 
     def guarded(self, position: int, chunk: tuple[Any, ...]) -> bool:
         """Whether the chunk's guard passes it: a "no" only means "check it in full"."""
@@ -271,13 +337,17 @@ class _Matcher:
         try:
             if not guard.check(*chunk):
                 return False
-        except TypeError:  # another count of values
+            # What the guard does not see; `st` is bound before it is read (left to right).
+            got: tuple[tuple[Any, ...], ...]
+            if self.meta_only:
+                got = tuple((v.storage_offset(), not v.__dict__) for v in chunk)
+            else:
+                got = tuple(
+                    (v.storage_offset(), (st := v.untyped_storage())._cdata, st.nbytes(), not v.__dict__)
+                    for v in chunk
+                )
+        except Exception:  # another count of values, or a value that is not a tensor
             return False
-        # What the guard does not see; `st` is bound before it is read (left to right).
-        got = tuple(
-            (v.storage_offset(), (st := v.untyped_storage())._cdata, st.nbytes(), not v.__dict__)
-            for v in chunk
-        )
         return got == rest
 
     def guard(self, position: int, chunk: tuple[Any, ...], expected: tuple[tuple[Any, ...], ...]) -> None:
@@ -287,45 +357,12 @@ class _Matcher:
             dynamic_dims_sizes=[list(sig[2]) for sig in expected],
             dynamic_dims_strides=[list(sig[3]) for sig in expected],
         )
-        self.guards[position] = (guard, tuple((sig[4], sig[8], sig[9], True) for sig in expected))
-
-    def many(self, nodes: tuple[Node, ...], values: tuple[Any, ...]) -> Steps[bool]:
-        signatures, sources, append = self.signatures, self.sources, self.sources.append
-        first = self.runs.get(id(nodes))
-        if first is not None and first == len(sources) and len(values) == len(nodes):
-            try:
-                return (yield from self.run(first, values))
-            except Exception:  # a value the plan never saw
-                return False
-        Tensor = torch.Tensor
-        try:
-            for node, v in zip(nodes, values, strict=True):
-                cls = type(node)
-                if cls is TensorNode:
-                    p = node.position  # type: ignore[union-attr]
-                    n = len(sources)
-                    if p == n:
-                        if not isinstance(v, Tensor) or v.__dict__:
-                            return False
-                        got = tensor_signature(v)
-                        if self.meta_only:
-                            if got[_META] != signatures[p][_META]:
-                                return False
-                        elif got != signatures[p]:
-                            return False
-                        append(v)
-                    elif p > n or v is not sources[p]:  # the plan met this very tensor before
-                        return False
-                elif cls is AtomNode:
-                    if not _same_atom(node.value, v):  # type: ignore[union-attr]
-                        return False
-                elif not (yield from self.container(node, v)):
-                    return False
-                if slice_over():
-                    yield
-        except Exception:  # a value the plan never saw (a sparse tensor has no storage, ...)
-            return False
-        return True
+        rest: tuple[tuple[Any, ...], ...]
+        if self.meta_only:
+            rest = tuple((sig[4], True) for sig in expected)
+        else:
+            rest = tuple((sig[4], sig[8], sig[9], True) for sig in expected)
+        self.guards[position] = (guard, rest)
 
 
 def iter_match(
@@ -347,6 +384,8 @@ def iter_match(
     ok = yield from matcher.many((fast.plan.root,), (state_dict,))
     sources = matcher.sources
     if not ok or len(sources) != len(fast.signatures):
+        return None
+    if not (yield from matcher.tensors()):
         return None
     # A tensor object met at two positions the plan holds apart would be one in a new plan.
     if len(set(map(id, sources))) != len(sources):
