@@ -312,11 +312,30 @@ def run_like() -> dict[str, Any]:
     return {"layer": layer, "step": torch.tensor(1.0)}
 
 
-def _in_run(change: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, Any]], None]:
+def _in_run(change: Callable[[torch.Tensor], Any]) -> Callable[[dict[str, Any]], None]:
     def apply(sd: dict[str, Any]) -> None:
         sd["layer"]["w260"] = change(sd["layer"]["w260"])  # in the second chunk of the run
 
     return apply
+
+
+def optimizer_like() -> dict[str, Any]:
+    """Adam's state: a two-tensor dict a parameter, so one guarded chunk spans 128 dicts."""
+    state = {i: {"exp_avg": torch.randn(2, 3), "exp_avg_sq": torch.randn(2, 3)} for i in range(150)}
+    state[130]["exp_avg"] = torch.randn(12)[:6].view(2, 3)  # tensor 260, in the second chunk
+    return {"state": state, "param_groups": [{"lr": 0.1, "params": list(range(150))}]}
+
+
+def _in_state(change: Callable[[torch.Tensor], Any]) -> Callable[[dict[str, Any]], None]:
+    def apply(sd: dict[str, Any]) -> None:
+        sd["state"][130]["exp_avg"] = change(sd["state"][130]["exp_avg"])
+
+    return apply
+
+
+def _share_in_state(sd: dict[str, Any]) -> None:
+    other = sd["state"][1]["exp_avg_sq"]  # a tensor of the first chunk, in another dict
+    sd["state"][130]["exp_avg"] = torch.empty(0).set_(other.untyped_storage(), 0, (2, 3), (3, 1))
 
 
 def _share_in_run(sd: dict[str, Any]) -> None:
@@ -339,22 +358,27 @@ def _resized(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+TENSOR_CHANGES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "reshape": lambda t: t.view(3, 2),
+    "another offset": lambda t: t.as_strided((2, 3), (3, 1), 1),
+    "set_ to another storage": lambda t: t.set_(torch.randn(12).untyped_storage(), 0, (2, 3)),
+    "dtype": lambda t: t.double(),
+    "same-size dtype view": lambda t: t.view(torch.int32),
+    "non-contiguous": lambda t: t.t().contiguous().t(),
+    "requires_grad": lambda t: t.requires_grad_(True),
+    "tensor to Parameter": lambda t: torch.nn.Parameter(t),
+    "conj bit": lambda t: torch.complex(t, t).conj(),
+    "neg bit": torch._neg_view,
+    "storage resized": _resized,
+    "tensor attribute": _with_attribute,
+    "inference tensor": _inference_tensor,
+    "not a tensor": lambda _: 3,
+}
+"""Changes to one tensor that a re-check must catch, wherever the tensor sits."""
+
 RUN_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
-    "reshape": _in_run(lambda t: t.view(3, 2)),
-    "another offset": _in_run(lambda t: t.as_strided((2, 3), (3, 1), 1)),
-    "set_ to another storage": _in_run(lambda t: t.set_(torch.randn(12).untyped_storage(), 0, (2, 3))),
-    "dtype": _in_run(lambda t: t.double()),
-    "same-size dtype view": _in_run(lambda t: t.view(torch.int32)),
-    "non-contiguous": _in_run(lambda t: t.t().contiguous().t()),
-    "requires_grad": _in_run(lambda t: t.requires_grad_(True)),
-    "tensor to Parameter": _in_run(lambda t: torch.nn.Parameter(t)),
-    "conj bit": _in_run(lambda t: torch.complex(t, t).conj()),
-    "neg bit": _in_run(torch._neg_view),
+    **{name: _in_run(change) for name, change in TENSOR_CHANGES.items()},
     "storage becomes shared": _share_in_run,
-    "storage resized": _in_run(_resized),
-    "tensor attribute": _in_run(_with_attribute),
-    "inference tensor": _in_run(_inference_tensor),
-    "not a tensor": _in_run(lambda _: 3),
     "key removed": lambda sd: sd["layer"].pop("w299"),
 }
 
@@ -367,6 +391,33 @@ async def test_every_change_after_a_warm_recheck_is_staged_faithfully(name: str)
         for _ in range(2):
             await stager.release(await stager.stage(sd))
         RUN_CHANGES[name](sd)
+        staged = await stager.stage(sd)
+        assert_faithful(staged, sd)
+        await stager.release(staged)
+        assert_faithful(await stager.stage(sd), sd)
+
+
+STATE_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    **{name: _in_state(change) for name, change in TENSOR_CHANGES.items()},
+    "storage becomes shared": _share_in_state,
+    "key removed": lambda sd: sd["state"][130].pop("exp_avg_sq"),
+    "key added": lambda sd: sd["state"][130].update(max_exp_avg_sq=torch.zeros(2, 3)),
+    "dict replaced by a list": lambda sd: sd["state"].__setitem__(130, list(sd["state"][130].values())),
+    "same tensor twice": lambda sd: sd["state"][131].__setitem__("exp_avg", sd["state"][130]["exp_avg"]),
+    "atom changed": lambda sd: sd["param_groups"][0].__setitem__("lr", 0.2),
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_CHANGES))
+async def test_every_change_in_small_dicts_after_a_warm_recheck_is_staged_faithfully(name: str) -> None:
+    # A guard spans many small dicts (one chunk of 256 tensors over 128 of them): a change
+    # in one dict must fail that chunk's check, whichever dict and chunk it lands in.
+    sd = optimizer_like()
+    async with DefaultStager() as stager:
+        for _ in range(2):
+            await stager.release(await stager.stage(sd))
+        assert len(stager._fast.guards) == 2  # type: ignore[union-attr]  # armed: 300 tensors
+        STATE_CHANGES[name](sd)
         staged = await stager.stage(sd)
         assert_faithful(staged, sd)
         await stager.release(staged)
