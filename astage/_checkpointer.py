@@ -528,14 +528,25 @@ class Checkpointer(AsyncResource):
         """Stage ``state_dict`` and lay it out: the part of a save its caller waits for."""
         assert self._persister is not None
         waited = time.perf_counter() - started
-        staged = await self._stager.stage(state_dict)
+        stats: StageStats | None = None
+        refilled: int | None = None
+        stager = self._stager
+        if isinstance(stager, DefaultStager) and type(stager).stage is DefaultStager.stage:
+            # This stage's own stats, not the latest's (a subclass that overrides stage() is
+            # called through it).
+            staged, stats = await stager.stage_with_stats(state_dict)
+            # A copy it refilled in place, which it checked whole at its release, needs no
+            # new check of its tensors (see astage._layout_cache).
+            refilled = stats.copy if stats.refilled else None
+        else:
+            staged = await stager.stage(state_dict)
+            stats = getattr(stager, "last_stats", None)
         checkpoint_id = uuid.uuid4().hex
         try:
-            layout = await self._persister.lay_out(staged, step, checkpoint_id)
+            layout = await self._persister.lay_out(staged, step, checkpoint_id, refilled)
         except BaseException:
             staged = None  # given back by lay_out; the traceback keeps this frame
             raise
-        stats = getattr(self._stager, "last_stats", None)
         return Job(
             step=step,
             checkpoint_id=checkpoint_id,

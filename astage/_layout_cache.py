@@ -17,6 +17,14 @@ assumed unchanged without that check.  Reading the storage objects (one call a s
 left to the background (:class:`PendingLayout`).  The kept layout holds no storage: it must
 not keep the staged buffers from going back to the pool.
 
+A save that :class:`~astage.DefaultStager` staged by refilling a released copy in place
+(``StageStats.refilled``) skips even that: the stager checked that very tree against its
+own plan when it was released (every tensor's metadata, and that its storages are one
+whole copy's buffers, one each), so if the kept layout was made for the same copy (by the
+serial ``StageStats.copy``), only the structure is walked, to collect the tensors.  Their
+storages' sizes are checked when the layout is completed; a mismatch (a copy changed after
+its release) sends the save back to a full lay-out, in the background.
+
 Invariant: a layout comes back from :meth:`LayoutCache.lay_out` only if ``lay_out`` on the
 same staged tree would have returned it; ``UnsupportedInputError`` is raised exactly where
 ``lay_out`` raises it.  The header cap is checked once, with the widest metadata any save
@@ -60,6 +68,8 @@ class _Kept:
     """Laid out for the staged tree ``fast`` was planned from; its ``storages`` dropped."""
     firsts: tuple[int, ...]
     """For each storage of the layout, the plan position of the first tensor viewing it."""
+    copy: int | None
+    """The stager's serial of the staged copy ``fast`` was planned from, if known."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,21 +85,32 @@ class PendingLayout:
     sources: list[torch.Tensor]
     firsts: tuple[int, ...]
 
-    async def complete(self) -> FileLayout:
-        """The layout with the staged tree's storages (time-sliced on the loop)."""
-        storages = await run_steps(_storages(self.sources, self.firsts))
-        self.sources = []
+    async def complete(self) -> FileLayout | None:
+        """The layout with the staged tree's storages (time-sliced on the loop), or ``None``
+        if a storage is not the size laid out (lay the tree out in full then)."""
+        try:
+            storages = await run_steps(_storages(self.sources, self.firsts, self.layout.nbytes))
+        finally:
+            self.sources = []
+        if storages is None:
+            log.warning("a staged copy changed after its release; laying it out in full")
+            return None
         return dataclasses.replace(self.layout, storages=storages)
 
 
 def _storages(
-    sources: list[torch.Tensor], firsts: tuple[int, ...]
-) -> Steps[tuple[torch.UntypedStorage, ...]]:
-    storages = []
-    for start in range(0, len(firsts), _CHUNK):
-        storages += [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
-        if slice_over():  # a chunk takes far less than a slice
-            yield
+    sources: list[torch.Tensor], firsts: tuple[int, ...], nbytes: tuple[int, ...]
+) -> Steps[tuple[torch.UntypedStorage, ...] | None]:
+    storages: list[torch.UntypedStorage] = []
+    try:
+        for start in range(0, len(firsts), _CHUNK):
+            storages += [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
+            if slice_over():  # a chunk takes far less than a slice
+                yield
+        if [s.nbytes() for s in storages] != list(nbytes):
+            return None
+    except Exception:  # not a tensor where one was laid out: only a walk_only match lets one by
+        return None
     return tuple(storages)
 
 
@@ -104,10 +125,18 @@ class LayoutCache:
         self._kept: _Kept | None = None
 
     async def lay_out(
-        self, staged: Any, *, step: int, checkpoint_id: str, limiter: anyio.CapacityLimiter | None
+        self,
+        staged: Any,
+        *,
+        step: int,
+        checkpoint_id: str,
+        limiter: anyio.CapacityLimiter | None,
+        refilled: int | None = None,
     ) -> FileLayout | PendingLayout:
         """Lay out ``staged`` as :func:`astage._format.lay_out` would.
 
+        :param refilled: the serial of the copy ``staged`` is, if the stager refilled that
+            released copy in place (``StageStats.copy`` where ``StageStats.refilled``).
         :returns: a new layout (worth :meth:`keep`-ing), or the kept one for this save,
             pending its storages.
         :raises UnsupportedInputError: as ``lay_out``.
@@ -115,18 +144,29 @@ class LayoutCache:
         """
         kept = self._kept
         if kept is not None:
+            walk_only = refilled is not None and refilled == kept.copy
             restamped = await run_steps(
-                within(plain_tensor_mode, _restamp(kept, staged, step, checkpoint_id))
+                within(plain_tensor_mode, _restamp(kept, staged, step, checkpoint_id, walk_only))
             )
             if restamped is not None:
                 return restamped
+        return await self.lay_out_in_full(staged, step=step, checkpoint_id=checkpoint_id, limiter=limiter)
+
+    async def lay_out_in_full(
+        self, staged: Any, *, step: int, checkpoint_id: str, limiter: anyio.CapacityLimiter | None
+    ) -> FileLayout:
+        """:func:`astage._format.lay_out` in a worker thread, with no kept layout."""
         call = functools.partial(
             lay_out, staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id
         )
         return await run_sync(call, limiter=limiter)
 
-    async def keep(self, staged: Any, layout: FileLayout, limiter: anyio.CapacityLimiter | None) -> None:
+    async def keep(
+        self, staged: Any, layout: FileLayout, limiter: anyio.CapacityLimiter | None, copy: int | None = None
+    ) -> None:
         """Keep ``layout`` (made by ``lay_out`` for ``staged``) for later trees of its structure.
+
+        :param copy: the stager's serial of the copy ``staged`` is (``StageStats.copy``).
 
         Meant for the background: it plans ``staged`` (about as long as ``lay_out``).  A tree
         whose plan cannot be re-checked (DTensors, tensors with attributes, custom
@@ -144,7 +184,7 @@ class LayoutCache:
             if sum(map(len, parts)) + spaces > HEADER_CAP:
                 return
             del parts, widest
-            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout)))
+            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
             return
@@ -152,7 +192,7 @@ class LayoutCache:
             self._kept = kept
 
 
-def _plan_kept(staged: Any, layout: FileLayout) -> Steps[_Kept | None]:
+def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept | None]:
     """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
     source = yield from iter_plan(staged)
     if len(source.plan.tensors) != layout.num_tensors or [s._cdata for s in source.storages] != [
@@ -165,12 +205,15 @@ def _plan_kept(staged: Any, layout: FileLayout) -> Steps[_Kept | None]:
     firsts: dict[int, int] = {}
     for position, spec in enumerate(fast.plan.tensors):
         firsts.setdefault(spec.storage, position)
-    return _Kept(fast, dataclasses.replace(layout, storages=()), tuple(firsts[j] for j in range(len(firsts))))
+    layout = dataclasses.replace(layout, storages=())
+    return _Kept(fast, layout, tuple(firsts[j] for j in range(len(firsts))), copy)
 
 
-def _restamp(kept: _Kept, staged: Any, step: int, checkpoint_id: str) -> Steps[PendingLayout | None]:
+def _restamp(
+    kept: _Kept, staged: Any, step: int, checkpoint_id: str, walk_only: bool
+) -> Steps[PendingLayout | None]:
     """The kept layout for ``staged`` and this save, or ``None`` if ``staged`` does not match."""
-    sources = yield from iter_match(kept.fast, staged)
+    sources = yield from iter_match(kept.fast, staged, walk_only=walk_only)
     if sources is None:
         return None
     layout = dataclasses.replace(

@@ -366,7 +366,7 @@ class _Matcher:
 
 
 def iter_match(
-    fast: FastPlan, state_dict: Any, *, meta_only: bool = False
+    fast: FastPlan, state_dict: Any, *, meta_only: bool = False, walk_only: bool = False
 ) -> Steps[list[torch.Tensor] | None]:
     """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
 
@@ -379,13 +379,16 @@ def iter_match(
 
     :param meta_only: check every tensor but not which storage it views (for a staged
         copy, whose storages are the caller's to check).
+    :param walk_only: check the containers, keys and atoms and where each tensor sits, but
+        no tensor's metadata or storage: for a tree whose tensors were proven to be the
+        plan's by other means (a staged copy the stager checked at its release and refilled).
     """
     matcher = _Matcher(fast, meta_only)
     ok = yield from matcher.many((fast.plan.root,), (state_dict,))
     sources = matcher.sources
     if not ok or len(sources) != len(fast.signatures):
         return None
-    if not (yield from matcher.tensors()):
+    if not walk_only and not (yield from matcher.tensors()):
         return None
     # A tensor object met at two positions the plan holds apart would be one in a new plan.
     if len(set(map(id, sources))) != len(sources):

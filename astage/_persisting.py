@@ -111,7 +111,9 @@ class Persister:
         self._emit = emit
         self._layouts = LayoutCache(rank)
 
-    async def lay_out(self, staged: Any, step: int, checkpoint_id: str) -> FileLayout | PendingLayout:
+    async def lay_out(
+        self, staged: Any, step: int, checkpoint_id: str, refilled: int | None = None
+    ) -> FileLayout | PendingLayout:
         """Check the staged copy against the replica format and lay it out, before ``save()``
         returns: what the background task could not write is refused here, with its key
         path.  A copy of a structure laid out before re-uses that layout once checked
@@ -121,7 +123,7 @@ class Persister:
         """
         try:
             return await self._layouts.lay_out(
-                staged, step=step, checkpoint_id=checkpoint_id, limiter=self._limiter
+                staged, step=step, checkpoint_id=checkpoint_id, limiter=self._limiter, refilled=refilled
             )
         except BaseException as exc:
             drop_frames(exc)
@@ -131,6 +133,10 @@ class Persister:
             # back, which the stager may hand out again (a released copy is refilled).
             staged = None
             raise
+
+    async def _keep(self, job: Job, layout: FileLayout) -> None:
+        copy = job.stage_stats.copy if job.stage_stats is not None else None
+        await self._layouts.keep(job.staged, layout, self._limiter, copy)
 
     async def write_and_replicate(self, job: Job) -> FileEntry:
         """Encode once, then write the local file durably while replicating, in save order.
@@ -144,8 +150,13 @@ class Persister:
         assert layout is not None
         if isinstance(layout, PendingLayout):
             layout = await layout.complete()
+            if layout is None:  # the copy changed after its release
+                layout = await self._layouts.lay_out_in_full(
+                    job.staged, step=job.step, checkpoint_id=job.checkpoint_id, limiter=self._limiter
+                )
+                await self._keep(job, layout)
         else:  # made in full: the caller is gone, plan its copy for the saves to come
-            await self._layouts.keep(job.staged, layout, self._limiter)
+            await self._keep(job, layout)
         # Encoded and checksummed once, for the local file and (relabelled) the replica.
         # It views the staged buffers, which go back to the stager: dropped before that.
         encoded: Encoded | None = None

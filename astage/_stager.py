@@ -115,6 +115,10 @@ class StageStats:
     :ivar bytes_skipped: part of ``bytes`` not copied because it was unchanged since the
         last stage (``StagingOptions(skip_unchanged=True)``).
     :ivar tensors_skipped: tensors whose storage was not copied again, likewise.
+    :ivar copy: which staged copy came back, by serial number: a released copy refilled in
+        place keeps its number (0 where the stager numbers none).
+    :ivar refilled: the stage refilled a released copy in place: the tree it returned is the
+        one handed out before under the same ``copy`` number, checked whole at its release.
     """
 
     tensors: int
@@ -126,6 +130,8 @@ class StageStats:
     wait_seconds: float
     bytes_skipped: int = 0
     tensors_skipped: int = 0
+    copy: int = 0
+    refilled: bool = False
 
     @property
     def gbps(self) -> float:
@@ -140,7 +146,7 @@ class StageStats:
             f"bytes={self.bytes:,}, bytes_allocated={self.bytes_allocated:,}, "
             f"reused_buffers={self.reused_buffers}, seconds={self.seconds:.4f}, "
             f"wait_seconds={self.wait_seconds:.4f}, bytes_skipped={self.bytes_skipped:,}, "
-            f"tensors_skipped={self.tensors_skipped})"
+            f"tensors_skipped={self.tensors_skipped}, copy={self.copy}, refilled={self.refilled})"
         )
 
 
@@ -325,18 +331,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
         layout = self._layout
         if sources is None or fast is None or layout is None:
-            # A new structure (or the first stage): plan it, and drop the copy kept for the
-            # old one, whose buffers may be needed under the memory cap.
-            self._forget_plan()
-            source: PlannedSource = await self._run(
-                iter_plan(state_dict, strict=self._strict), makes_tensors=False
-            )
-            layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
-            fast = await self._run(iter_fast_plan(source), makes_tensors=False)
-            self._fast, self._layout = fast, layout
-            plan, sources = source.plan, list(source.tensors)
-        else:
-            plan = fast.plan
+            # A new structure (or the first stage).
+            return await self._stage_first(state_dict, started)
+        plan = fast.plan
         spare = self._spare
         if spare is not None and fast is not None and spare.fast is fast:
             # No local may keep the copy alive past a failed refill (the pool takes its
@@ -345,6 +342,18 @@ class DefaultStager(anyio.abc.AsyncResource):
             return await self._refill(sources, layout, started)
         del spare
         return await self._stage_new(plan, layout, sources, started)
+
+    async def _stage_first(self, state_dict: Any, started: float) -> tuple[Any, StageStats]:
+        """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
+        plan first, whose buffers may be needed under the memory cap."""
+        self._forget_plan()
+        source: PlannedSource = await self._run(
+            iter_plan(state_dict, strict=self._strict), makes_tensors=False
+        )
+        layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
+        fast = await self._run(iter_fast_plan(source), makes_tensors=False)
+        self._fast, self._layout = fast, layout
+        return await self._stage_new(source.plan, layout, list(source.tensors), started)
 
     async def _stage_new(
         self, plan: StagePlan, layout: CopyLayout, sources: list[torch.Tensor], started: float
@@ -375,7 +384,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         serial = self._pool.hand_out(lease)
         self._remember(plan, serial, sources, cast(list[torch.Tensor], rebuilder.tensors))
-        stats = self._record(plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started)
+        stats = self._record(
+            plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
+        )
         return staged, stats
 
     async def _refill(
@@ -397,7 +408,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.reclaim()
             raise
         self._remember(plan, spare.serial, sources, spare.tensors)
-        stats = self._record(plan, 0, len(plan.storages), 0.0, started, skip)
+        stats = self._record(
+            plan, 0, len(plan.storages), 0.0, started, skip, copy=spare.serial, refilled=True
+        )
         return spare.tree, stats
 
     async def _copy(
@@ -511,6 +524,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         waited: float,
         started: float,
         skipped: Collection[int] = (),
+        *,
+        copy: int,
+        refilled: bool = False,
     ) -> StageStats:
         storages = plan.storages
         skipped_tensors = sum(1 for t in plan.tensors if t.storage in skipped) if skipped else 0
@@ -525,6 +541,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             wait_seconds=waited,
             bytes_skipped=sum(storages[s].nbytes for s in skipped),
             tensors_skipped=skipped_tensors,
+            copy=copy,
+            refilled=refilled,
         )
         self.last_stats = stats
         log.debug(

@@ -193,3 +193,61 @@ async def test_a_save_refuses_a_value_the_format_cannot_store_after_saves_that_r
         await (await ckpt.save(3, model(3))).wait()
         assert ckpt.steps() == [1, 2, 3]
         assert stager.pool_stats().handed_out_bytes == 0
+
+
+def source() -> dict[str, Any]:
+    """What a training job stages: tensors (one a view of another's storage), atoms, a nested dict."""
+    return tree()
+
+
+async def test_a_copy_the_stager_refilled_is_walked_not_checked_again() -> None:
+    # The stager checked the copy whole when it was released; the kept layout was made for
+    # that very copy (same serial), so only the structure is walked, and the layout is
+    # still the one a full lay-out gives.
+    sd = source()
+    async with astage.DefaultStager() as stager:
+        staged, stats = await stager.stage_with_stats(sd)
+        assert not stats.refilled
+        cache = LayoutCache(rank=0)
+        layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+        assert isinstance(layout, FileLayout)
+        await cache.keep(staged, layout, None, stats.copy)
+        await stager.release(staged)
+        sd["b"].fill_(3.0)
+        again, stats = await stager.stage_with_stats(sd)
+        assert again is staged
+        assert stats.refilled
+        pending = await cache.lay_out(again, step=2, checkpoint_id=ID, limiter=None, refilled=stats.copy)
+        assert isinstance(pending, PendingLayout)
+        assert cache._kept is not None
+        assert not cache._kept.fast.guards, "no tensor was checked"
+        completed = await pending.complete()
+        assert completed is not None
+        assert_same_layout(completed, lay_out(again, owner_rank=0, step=2, checkpoint_id=ID))
+        # Without the stager's word (another copy, or none), every tensor is checked.
+        pending = await cache.lay_out(again, step=3, checkpoint_id=ID, limiter=None, refilled=stats.copy + 1)
+        assert isinstance(pending, PendingLayout)
+        assert cache._kept.fast.guards, "the full check arms the guards"
+
+
+async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sd = source()
+    async with astage.DefaultStager() as stager:
+        staged, stats = await stager.stage_with_stats(sd)
+        cache = LayoutCache(rank=0)
+        layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+        assert isinstance(layout, FileLayout)
+        await cache.keep(staged, layout, None, stats.copy)
+        await stager.release(staged)
+        # Misuse (the copy is the stager's now): a storage of another size under a tensor.
+        staged["b"].set_(torch.full((5, 4), 9.0).untyped_storage(), 0, (3, 4))
+        again, stats = await stager.stage_with_stats(sd)
+        assert again is staged
+        assert stats.refilled
+        pending = await cache.lay_out(again, step=2, checkpoint_id=ID, limiter=None, refilled=stats.copy)
+        assert isinstance(pending, PendingLayout)
+        with caplog.at_level("WARNING", logger="astage.layout_cache"):
+            assert await pending.complete() is None, "a storage of another size is never written as laid out"
+        assert "changed after its release" in caplog.text
