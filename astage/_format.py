@@ -147,22 +147,35 @@ class Encoded:
     def buffers(self, chunk_nbytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
         """The whole file, in order, as memoryviews of at most ``chunk_nbytes`` bytes.
 
-        Views alias the staged storages: they stay valid while those are not changed and
-        this object lives (it holds the storages; the views may not).
+        Views alias the staged storages (valid while those are not changed), and each
+        keeps the storage it views alive: ``b"".join(encode(...).buffers())`` is safe even
+        where this object held the only reference (a copy of a read-only numpy array).
         """
+        return self._chunks(chunk_nbytes, owned=True)
+
+    def held_buffers(self, chunk_nbytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        """:meth:`buffers` without the owning objects (a tensor and an array a storage,
+        microseconds each): valid only while the caller holds this object, as a writer
+        that writes them before it returns does."""
+        return self._chunks(chunk_nbytes, owned=False)
+
+    def _chunks(self, chunk_nbytes: int, owned: bool) -> Iterator[memoryview]:
         if chunk_nbytes <= 0:
             raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
-        for view in self._pieces():
+        return self._split(chunk_nbytes, owned)
+
+    def _split(self, chunk_nbytes: int, owned: bool) -> Iterator[memoryview]:
+        for view in self._pieces(owned):
             for start in range(0, len(view), chunk_nbytes):
                 yield view[start : start + chunk_nbytes]
 
-    def _pieces(self) -> Iterator[memoryview]:
+    def _pieces(self, owned: bool) -> Iterator[memoryview]:
         yield memoryview(self.prefix)
         end = 0
         segments = self.segments
         pairs = (
             segments.byte_views()
-            if isinstance(segments, _StorageSegments)
+            if isinstance(segments, _StorageSegments) and not owned
             else ((offset, byte_view(tensor)) for offset, tensor in segments)
         )
         for offset, view in pairs:

@@ -474,7 +474,8 @@ async def write_checkpoint_file(
     :raises PersistError: a step failed (named in the message); the previous replica is
         intact (unless only the final directory fsync failed) and no temp file is left.
     """
-    buffers = replica.buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
+    # The replica is held here until the writer is done with its views.
+    buffers = replica.held_buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
     async with CheckpointFileWriter(
         path, limiter=limiter, chunk_nbytes=chunk_nbytes, open_dir=open_dir
     ) as writer:
