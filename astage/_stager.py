@@ -53,6 +53,7 @@ from ._copy import (
 )
 from ._errors import ClosedError, EventLoopError, UnsupportedInputError
 from ._events import STRATEGIES, Strategy, wait_event
+from ._gc import gc_paused, promote
 from ._match import FastPlan, iter_fast_plan, iter_match
 from ._options import (
     ResolvedOptions,
@@ -72,6 +73,9 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
 
 log = logging.getLogger("astage.stager")
+
+_PROMOTE_TENSORS = 1_000
+"""A first stage of at least this many tensors has its survivors promoted (``_gc``)."""
 
 # anyio imports its asyncio backend on first use; importing it now keeps that (tens of ms)
 # off the event loop during the first stage.
@@ -331,8 +335,10 @@ class DefaultStager(anyio.abc.AsyncResource):
             sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
         layout = self._layout
         if sources is None or fast is None or layout is None:
-            # A new structure (or the first stage).
-            return await self._stage_first(state_dict, started)
+            # A new structure (or the first stage): everything it makes lives as long as the
+            # plan, so it runs in one collector pause and is promoted at the end (_gc).
+            with gc_paused():
+                return await self._stage_first(state_dict, started)
         plan = fast.plan
         spare = self._spare
         if spare is not None and fast is not None and spare.fast is fast:
@@ -350,6 +356,8 @@ class DefaultStager(anyio.abc.AsyncResource):
         source: PlannedSource = await self._run(
             iter_plan(state_dict, strict=self._strict), makes_tensors=False
         )
+        if len(source.plan.tensors) >= _PROMOTE_TENSORS:
+            promote()
         layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
         fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout
