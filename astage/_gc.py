@@ -64,15 +64,17 @@ def gc_paused() -> Iterator[None]:
                     gc.enable()
 
 
-def promote() -> None:
-    """Move what is young into the oldest generation when the outermost pause ends.
+PROMOTE_AT = 1_000
+"""Tensors from which the objects a plan leaves behind are worth promoting."""
 
-    For work inside :func:`gc_paused` that leaves many long-lived objects behind (see the
-    module's docstring); outside a pause it does nothing.
-    """
+
+def promote(tensors: int) -> None:
+    """Move what is young into the oldest generation when the outermost pause ends, if
+    the work inside :func:`gc_paused` left objects behind for ``tensors`` tensors, at
+    least :data:`PROMOTE_AT` (see the module's docstring); outside a pause, nothing."""
     global _promote
     with _lock:
-        if _pauses:
+        if _pauses and tensors >= PROMOTE_AT:
             _promote = True
 
 

@@ -43,6 +43,7 @@ import anyio
 import torch
 
 from ._format import HEADER_CAP, FileLayout, lay_out
+from ._gc import gc_paused, promote
 from ._limits import INT64, RANK_LIMIT
 from ._match import FastPlan, iter_fast_plan, iter_match
 from ._plan import iter_plan
@@ -184,7 +185,9 @@ class LayoutCache:
             if sum(map(len, parts)) + spaces > HEADER_CAP:
                 return
             del parts, widest
-            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
+            with gc_paused():  # the plan lives as long as the layout (astage._gc)
+                promote(layout.num_tensors)
+                kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
             return

@@ -74,9 +74,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("astage.stager")
 
-_PROMOTE_TENSORS = 1_000
-"""A first stage of at least this many tensors has its survivors promoted (``_gc``)."""
-
 # anyio imports its asyncio backend on first use; importing it now keeps that (tens of ms)
 # off the event loop during the first stage.
 with contextlib.suppress(ImportError):
@@ -356,8 +353,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         source: PlannedSource = await self._run(
             iter_plan(state_dict, strict=self._strict), makes_tensors=False
         )
-        if len(source.plan.tensors) >= _PROMOTE_TENSORS:
-            promote()
+        promote(len(source.plan.tensors))
         layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
         fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout

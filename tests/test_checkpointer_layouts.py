@@ -251,3 +251,29 @@ async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
         with caplog.at_level("WARNING", logger="astage.layout_cache"):
             assert await pending.complete() is None, "a storage of another size is never written as laid out"
         assert "changed after its release" in caplog.text
+
+
+async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_its_plan() -> None:
+    # The kept plan lives as long as the layout: made in one collector pause and promoted
+    # unwalked, like a stager's first stage (astage._gc), so no full pass lands on the loop.
+    staged = {f"m{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
+    cache = LayoutCache(rank=0)
+    layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+    assert isinstance(layout, FileLayout)
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        await cache.keep(staged, layout, None)
+        after = gc.get_count()[0]
+    finally:
+        gc.callbacks.remove(seen)
+    assert collections == []
+    assert after < 50
+    assert cache._kept is not None
+    assert any(o is cache._kept.fast for o in gc.get_objects(generation=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 
-from astage._gc import gc_paused, promote
+from astage._gc import PROMOTE_AT, gc_paused, promote
 
 
 class Node:
@@ -49,7 +49,7 @@ def test_promotion_moves_young_objects_into_the_oldest_generation_at_the_outermo
     with gc_paused():
         young = Node()
         with gc_paused():
-            promote()
+            promote(PROMOTE_AT)
         assert in_generation(young, 0), "promoted only when the outermost pause ends"
     assert in_generation(young, 2)
     assert gc.get_count()[0] < 10
@@ -57,9 +57,10 @@ def test_promotion_moves_young_objects_into_the_oldest_generation_at_the_outermo
 
 def test_without_a_request_or_outside_a_pause_nothing_is_promoted() -> None:
     gc.collect()
-    promote()  # outside a pause: ignored, and not remembered for the next one
+    promote(PROMOTE_AT)  # outside a pause: ignored, and not remembered for the next one
     with gc_paused():
         young = Node()
+        promote(PROMOTE_AT - 1)  # too few to be worth it
     assert in_generation(young, 0)
 
 
@@ -68,7 +69,7 @@ def test_a_collector_the_program_disabled_stays_disabled_and_nothing_is_promoted
     try:
         with gc_paused():
             young = Node()
-            promote()
+            promote(PROMOTE_AT)
         assert not gc.isenabled()
         assert in_generation(young, 0)
     finally:
