@@ -564,16 +564,17 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> FileHeader:
     tables = _split_tables(raw) if version >= 3 else None
     json_raw = raw[0 if tables is None else tables.nbytes :]
     table_cost = 0 if tables is None else _table_cost(*tables.counts)
-    budget = _parse_budget(header_len, json_raw, version, table_cost)
+    unpadded = _unpadded_len(json_raw)
+    budget = _parse_budget(header_len, json_raw, version, table_cost, unpadded)
     if budget < 0:
         raise IntegrityError(
             f"header of {header_len} bytes is too dense: parsing it could allocate "
-            f"{_parse_cost(json_raw) + table_cost} bytes, more than its format-{version} bound "
+            f"{_parse_cost(json_raw, unpadded) + table_cost} bytes, more than its format-{version} bound "
             "(docs/format.md)"
         )
     try:
         # Without the padding, which json.loads would only skip.
-        text = str(json_raw[: _unpadded_len(json_raw)], "ascii")
+        text = str(json_raw[:unpadded], "ascii")
     except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
         raise IntegrityError(f"header is not ASCII: {exc}") from exc
     del raw, json_raw

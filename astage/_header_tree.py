@@ -480,10 +480,9 @@ class _HeaderParser:
         else:
             segments, specs, notes = self.tables_v2(doc, body_nbytes)
         # Equal specs shared, like equal shapes (see _tensor_table._shapes).
-        shared: dict[int, StorageSpec] = {}
-        for nbytes in {s.nbytes for s in segments}:
-            shared[nbytes] = StorageSpec(nbytes, _CPU)
-        storages = tuple(map(shared.__getitem__, [s.nbytes for s in segments]))
+        sizes = list(map(itemgetter(1), segments))  # each Segment's nbytes, at C speed
+        shared = {nbytes: StorageSpec(nbytes, _CPU) for nbytes in set(sizes)}
+        storages = tuple(map(shared.__getitem__, sizes))
         plan = StagePlan(specs.root, specs.tensors, storages)
         return FileHeader(
             owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
@@ -716,20 +715,43 @@ class _HeaderParser:
         set where a value may be unhashable.  All the key paths are charged before any is made.
         """
         count = len(raws)
-        if not count or set(map(type, raws)) != {list} or set(map(len, raws)) != {2}:
+        if not count or set(map(type, raws)) != {list}:
             return None
-        if list(map(itemgetter(0), raws)).count("tensor") != count:
+        try:  # one pass splits the [tag, index] pairs and checks they all have one length
+            columns = list(zip(*raws, strict=True))
+        except ValueError:
             return None
-        indices = list(map(itemgetter(1), raws))
-        if set(map(type, indices)) != {int} or min(indices) < 0 or max(indices) >= len(self.paths):
+        if len(columns) != 2 or columns[0].count("tensor") != count:
             return None
-        paths = self.paths
-        if list(map(paths.__getitem__, indices)).count(None) != count or len(set(indices)) != count:
+        indices: tuple[int, ...] = columns[1]
+        if set(map(type, indices)) != {int}:
+            return None
+        first, last = indices[0], indices[-1]
+        # The common case, as the encoder numbers tensors: consecutive (a C-speed check).
+        consecutive = last - first == count - 1 and indices == tuple(range(first, last + 1))
+        if not self.claim(indices, consecutive):
             return None
         self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
-        for index, child in zip(indices, map(tuple.__add__, repeat(path), zip(keys)), strict=True):
-            paths[index] = child
+        # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
+        children = list(zip(*map(repeat, path), keys, strict=False))  # the repeats are endless
+        paths = self.paths
+        if consecutive:
+            paths[first : last + 1] = children
+        else:
+            for index, child in zip(indices, children, strict=True):
+                paths[index] = child
         return tuple(map(_new_tuple, repeat(TensorNode), zip(indices)))
+
+    def claim(self, indices: tuple[int, ...], consecutive: bool) -> bool:
+        """Whether ``indices`` (ints) are distinct tensors not yet referenced."""
+        paths = self.paths
+        count = len(indices)
+        if consecutive:
+            first, end = indices[0], indices[0] + count
+            return first >= 0 and end <= len(paths) and paths[first:end].count(None) == count
+        if min(indices) < 0 or max(indices) >= len(paths):
+            return False
+        return list(map(paths.__getitem__, indices)).count(None) == count and len(set(indices)) == count
 
     def mixed_children(
         self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int

@@ -3,12 +3,22 @@ take the parser's column-at-a-time paths or not, read alike."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import crc32c
 import numpy as np
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from astage import _format
+from astage._errors import IntegrityError
 from astage._format import _storage_views
+from astage._header_tree import _HeaderParser
+from astage._parse_bound import _unpadded_len
+from astage._tensor_table import _rows
 
 
 def _storages() -> list[torch.UntypedStorage]:
@@ -51,3 +61,85 @@ def test_an_encoded_file_of_scattered_and_empty_storages_round_trips() -> None:
     assert got.keys() == state.keys()
     for key, tensor in state.items():
         assert torch.equal(got[key], tensor)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.binary(max_size=40).filter(lambda b: not b.endswith(b" ")),
+    st.integers(0, 200_000),
+    st.integers(0, 7),
+    st.binary(max_size=3),
+)
+def test_unpadded_len_is_the_length_without_trailing_spaces(
+    text: bytes, spaces: int, skew: int, tail: bytes
+) -> None:
+    # Unaligned views, padding across the doubling blocks, a non-space after the padding.
+    raw = bytes(skew) + text + b" " * spaces + tail
+    view = memoryview(raw)[skew:]
+    assert _unpadded_len(view) == len(bytes(view).rstrip(b" "))
+    assert _unpadded_len(bytes(view)) == len(bytes(view).rstrip(b" "))
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 64 << 10, (64 << 10) + 3, 200_003])
+def test_unpadded_len_of_spaces_only_and_of_no_spaces(length: int) -> None:
+    assert _unpadded_len(b" " * length) == 0
+    assert _unpadded_len(b"x" * length) == length
+    assert _unpadded_len(b"x" + b" " * length) == 1
+
+
+_REF = st.one_of(
+    st.builds(lambda i: ["tensor", i], st.integers(-2, 12)),
+    st.sampled_from([["tensor", True], ["tensor", 1.0], ["tensor"], ["tensor", 0, 0], [["tensor"], 0]]),
+    st.sampled_from([5, [], ["ref", 0], ["list", []]]),
+)
+
+
+@st.composite
+def _references(draw: st.DrawFn) -> list[Any]:
+    """Tensor references as a container holds them: mostly runs (consecutive, as the encoder
+    numbers tensors), some shuffled or damaged."""
+    first, count = draw(st.integers(-1, 10)), draw(st.integers(1, 10))
+    refs: list[Any] = [["tensor", i] for i in range(first, first + count)]
+    if draw(st.booleans()):
+        refs = draw(st.permutations(refs))
+    for _ in range(draw(st.integers(0, 2))):
+        refs[draw(st.integers(0, len(refs) - 1))] = draw(_REF)
+    return refs
+
+
+def _outcome(bulk: bool, refs: list[Any], taken: list[int], path: tuple[Any, ...]) -> Any:
+    parser = _HeaderParser(0, 3, 1 << 20)
+    parser.paths = [None] * 10
+    for index in taken:
+        parser.paths[index] = ("elsewhere",)
+    keys = [f"k{i}" for i in range(len(refs))]
+    children = parser.children if bulk else parser.mixed_children
+    try:
+        nodes = children(keys, json.loads(json.dumps(refs)), path, 1)
+    except IntegrityError as exc:
+        return str(exc)
+    return nodes, parser.paths, parser.budget
+
+
+@settings(max_examples=400, deadline=None)
+@given(_references(), st.lists(st.integers(0, 9), max_size=3), st.sampled_from([(), ("a",), ("a", 3)]))
+def test_a_container_of_tensor_references_parses_in_bulk_as_child_by_child(
+    refs: list[Any], taken: list[int], path: tuple[Any, ...]
+) -> None:
+    assert _outcome(True, refs, taken, path) == _outcome(False, refs, taken, path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 30),
+    st.integers(0, 5),
+    st.sampled_from([3, 1 << 20, (1 << 63) - 1]),
+    st.randoms(use_true_random=False),
+)
+def test_rows_are_the_blocks_rows_equal_ones_shared(count: int, width: int, top: int, rng: Any) -> None:
+    block = np.array([[rng.randrange(top) for _ in range(width)] for _ in range(count)], np.int64)
+    block = block.reshape(count, width)
+    rows = _rows(block)
+    assert rows == [tuple(row) for row in block.tolist()]
+    assert all(type(row) is tuple for row in rows)
+    assert len({id(row) for row in rows}) == len(set(rows))
