@@ -79,6 +79,7 @@ from ._format_spec import READ_VERSIONS as READ_VERSIONS
 from ._format_spec import DTensorNote as DTensorNote
 from ._format_spec import FileHeader as FileHeader
 from ._format_spec import Segment as Segment
+from ._format_spec import Segments as Segments
 from ._gc import without_gc
 from ._header_tree import _HeaderParser, _reject_constant, _TreeEncoder, _unique_keys
 from ._limits import CHUNK_BYTES
@@ -598,6 +599,7 @@ class BodyVerifier:
 
     def __init__(self, header: FileHeader) -> None:
         self.header = header
+        self._segments = list(header.segments.columns())  # plain tuples: indexed once each
         self.nbytes = 0
         self._index = 0  # the storage whose bytes come next
         self._crc = 0  # running crc32c of that storage's bytes so far
@@ -627,7 +629,7 @@ class BodyVerifier:
 
     def _check(self, view: memoryview, base: int, end: int) -> None:
         # Locals, not attributes, in the loop: it runs once per storage.
-        segments = self.header.segments
+        segments = self._segments
         index, crc, pos = self._index, self._crc, base
         try:
             while index < len(segments):
@@ -676,7 +678,7 @@ def verify_body(header: FileHeader, body: torch.Tensor) -> None:
     # The same checks, in the same order, as BodyVerifier: the gap before a storage, then
     # its checksum; the gaps checked all at once.
     checksum = crc32c.crc32c
-    for index, (offset, nbytes, expected) in enumerate(segments):
+    for index, (offset, nbytes, expected) in enumerate(segments.columns()):
         if index == dirty:
             raise IntegrityError(f"non-zero padding before storage {index}")
         if checksum(view[offset : offset + nbytes]) != expected:
@@ -687,15 +689,14 @@ _GAP_BLOCK: Final = 1 << 14
 """Storages whose gaps :func:`_first_dirty_gap` gathers at once (at most 1 MiB of bytes)."""
 
 
-def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Sequence[Segment]) -> int:
+def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Segments) -> int:
     """The first storage preceded by a non-zero byte, ``len(segments)`` if none, or -1 if
     the segments are not in order (each gap is under :data:`ALIGNMENT` bytes once parsed).
 
     Gathers every gap's bytes with one index array a block of storages: a Python
     ``any()`` a gap costs more than the checksum of a small storage.
     """
-    table = np.fromiter(itertools.chain.from_iterable(segments), np.int64, 3 * len(segments))
-    offsets, nbytes = table[0::3], table[1::3]
+    offsets, nbytes = segments.offsets, segments.nbytes
     gap_starts = np.zeros(len(segments), np.int64)
     gap_starts[1:] = offsets[:-1] + nbytes[:-1]
     lengths = offsets - gap_starts
@@ -728,8 +729,10 @@ def decode(header: FileHeader, body: torch.Tensor) -> Any:
     # A slice of an untyped storage is a storage of exactly those bytes that holds the
     # whole one alive: a third cheaper than a numpy slice turned into a tensor.
     whole = body.untyped_storage()
-    base = body.storage_offset()
-    storages = [whole[base + offset : base + offset + nbytes] for offset, nbytes, _ in header.segments]
+    base = int(body.storage_offset())
+    starts = (header.segments.offsets + base).tolist()
+    ends = (header.segments.offsets + header.segments.nbytes + base).tolist()
+    storages = list(map(whole.__getitem__, map(slice, starts, ends)))
     try:
         return rebuild(header.plan, storages)
     except RuntimeError as exc:  # pragma: no cover - the header checks should make this unreachable

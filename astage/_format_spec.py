@@ -9,8 +9,9 @@ and ``docs/format.md``.  Pure: no file, socket or thread.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Final, NamedTuple
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -113,6 +114,71 @@ class Segment(NamedTuple):
     crc32c: int
 
 
+class Segments(Sequence[Segment]):
+    """A header's storages in body order, one :class:`Segment` each, kept as three int64
+    columns (read-only numpy arrays: ``offsets``, ``nbytes``, ``crcs``).
+
+    The records are made only where they are asked for, one at a time: a parse of 20,000
+    storages would otherwise make 20,000 tuples that the cyclic collector tracks for as
+    long as the header lives (a tuple subclass is never untracked), and the body checks
+    and :func:`~astage._format.decode` read the columns.  Equal to another ``Segments``
+    (or a sequence of segments) with the same records.
+    """
+
+    __slots__ = ("crcs", "nbytes", "offsets")
+
+    def __init__(
+        self, offsets: np.ndarray[Any, Any], nbytes: np.ndarray[Any, Any], crcs: np.ndarray[Any, Any]
+    ):
+        columns = [np.array(c, np.int64) for c in (offsets, nbytes, crcs)]  # copies, never views
+        if len({c.shape for c in columns}) != 1 or columns[0].ndim != 1:
+            raise ValueError("Segments needs three 1-D columns of one length")
+        for column in columns:
+            column.flags.writeable = False
+        self.offsets, self.nbytes, self.crcs = columns
+
+    @classmethod
+    def of(cls, records: Iterable[tuple[int, int, int]]) -> Segments:
+        """The segments of ``(offset, nbytes, crc32c)`` records."""
+        table = np.array(list(records), np.int64).reshape(-1, 3)
+        return cls(table[:, 0], table[:, 1], table[:, 2])
+
+    def columns(self) -> Iterator[tuple[int, int, int]]:
+        """Each storage's ``(offset, nbytes, crc32c)`` as a plain tuple of ints, made as it is taken."""
+        return zip(self.offsets.tolist(), self.nbytes.tolist(), self.crcs.tolist(), strict=True)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> Segment: ...
+    @overload
+    def __getitem__(self, index: slice) -> Segments: ...
+    def __getitem__(self, index: int | slice) -> Segment | Segments:
+        if isinstance(index, slice):
+            return Segments(self.offsets[index], self.nbytes[index], self.crcs[index])
+        return Segment(int(self.offsets[index]), int(self.nbytes[index]), int(self.crcs[index]))
+
+    def __iter__(self) -> Iterator[Segment]:
+        return map(tuple.__new__, itertools.repeat(Segment), self.columns())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Segments):
+            return all(np.array_equal(a, b) for a, b in zip(self._all(), other._all(), strict=True))
+        if isinstance(other, Sequence):
+            return list(self.columns()) == [tuple(item) for item in other]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.columns()))
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self)!r:.200})"
+
+    def _all(self) -> tuple[np.ndarray[Any, Any], ...]:
+        return self.offsets, self.nbytes, self.crcs
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DTensorNote:
     """What a DTensor was; decoding returns only its local shard, as a plain tensor."""
@@ -144,7 +210,7 @@ class FileHeader:
     created: float
     body_nbytes: int
     prefix_nbytes: int
-    segments: tuple[Segment, ...]
+    segments: Segments
     plan: StagePlan
     dtensors: tuple[DTensorNote | None, ...]
     version: int = FORMAT_VERSION

@@ -15,7 +15,6 @@ import collections
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat
-from operator import itemgetter
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -33,6 +32,7 @@ from ._format_spec import (
     DTensorNote,
     FileHeader,
     Segment,
+    Segments,
     _align,
     _fail,
 )
@@ -480,7 +480,7 @@ class _HeaderParser:
         else:
             segments, specs, notes = self.tables_v2(doc, body_nbytes)
         # Equal specs shared, like equal shapes (see _tensor_table._shapes).
-        sizes = list(map(itemgetter(1), segments))  # each Segment's nbytes, at C speed
+        sizes = segments.nbytes.tolist()
         shared = {nbytes: StorageSpec(nbytes, _CPU) for nbytes in set(sizes)}
         storages = tuple(map(shared.__getitem__, sizes))
         plan = StagePlan(specs.root, specs.tensors, storages)
@@ -500,7 +500,7 @@ class _HeaderParser:
 
     def tables_v2(
         self, doc: dict[str, Any], body_nbytes: int
-    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
+    ) -> tuple[Segments, _Specs, tuple[DTensorNote | None, ...]]:
         """Storages and tensors as JSON lists (versions 1 and 2), then the tree."""
         segments = self.segments(_list(doc["storages"], "storages"), body_nbytes)
         entries = [
@@ -512,7 +512,7 @@ class _HeaderParser:
         if len({spec.storage for spec, _ in entries}) != len(segments):
             raise _fail("storages", "a storage is not referenced by any tensor")
         specs = tuple(spec._replace(key_path=path) for (spec, _), path in zip(entries, paths, strict=True))
-        return segments, _Specs(root, specs), tuple(note for _, note in entries)
+        return Segments.of(segments), _Specs(root, specs), tuple(note for _, note in entries)
 
     def all_paths(self) -> list[KeyPath]:
         unused = [i for i, p in enumerate(self.paths) if p is None]
@@ -522,7 +522,7 @@ class _HeaderParser:
 
     def tables_v3(
         self, tables: _Tables, body_nbytes: int, doc: dict[str, Any]
-    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
+    ) -> tuple[Segments, _Specs, tuple[DTensorNote | None, ...]]:
         """The binary tables (version 3), checked column by column, then the tree."""
         self.paths = [None] * len(tables.tensors)
         # The JSON tree goes as soon as it is walked: the specs below are the peak.

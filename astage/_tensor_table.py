@@ -20,7 +20,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from ._errors import KeyPath
-from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, _fail
+from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, Segments, _fail
 from ._limits import INT64 as _INT64
 from ._plan import TensorKind, TensorNode, TensorSpec
 
@@ -92,7 +92,7 @@ if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
     *("key_path", "storage", "dtype", "size", "stride", "offset", "kind", "requires_grad"),
     *("conj", "neg", "attrs", "dtensor_spec"),
 ):
-    raise ImportError("astage._tensor_table builds Segment and TensorSpec records field by field")
+    raise ImportError("astage builds Segment and TensorSpec records field by field")
 
 _EXACT_LIMIT: Final = 1 << 20
 """Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
@@ -172,7 +172,7 @@ def _first(bad: np.ndarray[Any, Any]) -> int:
     return int(np.flatnonzero(bad)[0])
 
 
-def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Segment, ...]:
+def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> Segments:
     """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
     offsets = records["offset"]
     nbytes = records["nbytes"]
@@ -196,11 +196,10 @@ def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Seg
     end = int(ends[-1]) if len(ends) else 0
     if end != body_nbytes:
         raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
-    columns = zip(offsets.tolist(), nbytes.tolist(), records["crc32c"].tolist(), strict=True)
-    return tuple(map(_new_tuple, repeat(Segment), columns))
+    return Segments(offsets, nbytes, records["crc32c"])
 
 
-def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Columns:
+def _check_tensor_table(tables: _Tables, segments: Segments) -> _Columns:
     """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
     every tensor inside its storage.  The rare tensor with a dimension or stride of
     :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
@@ -258,7 +257,7 @@ def _check_extents(
     records: np.ndarray[Any, Any],
     starts: np.ndarray[Any, Any],
     dims: np.ndarray[Any, Any],
-    segments: Sequence[Segment],
+    segments: Segments,
 ) -> np.ndarray[Any, Any]:
     """Every tensor inside its storage, in int64 columns; returns the mask of the tensors
     too large for that (a size, stride or offset of :data:`_EXACT_LIMIT` or more, or near
@@ -286,8 +285,7 @@ def _check_extents(
     total = np.zeros(len(terms) + 1, np.int64)
     np.cumsum(terms, out=total[1:])
     last = offset + total[first + ndim] - total[first]
-    storage_nbytes = np.fromiter((s.nbytes for s in segments), np.int64, len(segments))
-    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > storage_nbytes[storage])
+    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > segments.nbytes[storage])
     if past.any():
         i = _first(past)
         raise _fail(f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage")
@@ -308,7 +306,7 @@ def _numel_overflows(size: Sequence[int]) -> bool:
     return False
 
 
-def _check_extent(columns: _Columns, i: int, segments: Sequence[Segment]) -> None:
+def _check_extent(columns: _Columns, i: int, segments: Segments) -> None:
     """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
     start, ndim = int(columns.starts[i]), int(columns.ndim[i])
     size = columns.dims[start : start + ndim].tolist()

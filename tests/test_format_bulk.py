@@ -3,6 +3,7 @@ take the parser's column-at-a-time paths or not, read alike."""
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from astage import _format
 from astage._errors import IntegrityError
-from astage._format import _storage_views
+from astage._format import Segment, Segments, _storage_views
 from astage._header_tree import _HeaderParser
 from astage._parse_bound import _unpadded_len
 from astage._tensor_table import _rows
@@ -143,3 +144,42 @@ def test_rows_are_the_blocks_rows_equal_ones_shared(count: int, width: int, top:
     assert rows == [tuple(row) for row in block.tolist()]
     assert all(type(row) is tuple for row in rows)
     assert len({id(row) for row in rows}) == len(set(rows))
+
+
+def test_segments_read_as_a_sequence_of_records() -> None:
+    records = [(0, 10, 7), (64, 0, 0), (64, 5, (1 << 32) - 1)]
+    segments = Segments.of(records)
+    assert len(segments) == 3
+    assert list(segments) == [Segment(*r) for r in records]
+    assert all(type(s) is Segment for s in segments)
+    assert segments[2] == Segment(64, 5, (1 << 32) - 1)
+    assert segments[-1].crc32c == (1 << 32) - 1
+    assert type(segments[0].offset) is int
+    assert list(segments.columns()) == records
+    assert segments[1:] == Segments.of(records[1:]) == records[1:]
+    assert segments == records
+    assert segments != records[:2]
+    assert segments != Segments.of(records[:2])
+    assert hash(segments) == hash(Segments.of(records))
+    assert Segments.of([]) == ()
+    assert len(Segments.of([])) == 0
+    with pytest.raises(ValueError, match="read-only"):
+        segments.offsets[0] = 1
+
+
+def test_segments_keep_no_view_of_the_columns_they_were_given() -> None:
+    offsets = np.array([0, 64], np.uint64)
+    segments = Segments(offsets, np.array([3, 4]), np.array([1, 2], np.uint32))
+    offsets[1] = 128
+    assert segments[1].offset == 64
+
+
+def test_a_parsed_header_makes_no_segment_records() -> None:
+    state = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(50)}
+    encoded = _format.encode(state, owner_rank=0, step=1, checkpoint_id="lazy")
+    gc.collect()
+    before = sum(type(o) is Segment for o in gc.get_objects())
+    header = _format.parse_prefix(encoded.prefix)
+    assert sum(type(o) is Segment for o in gc.get_objects()) == before
+    assert header.segments == encoded.header.segments
+    assert len(header.segments) == 50
