@@ -14,7 +14,7 @@ import binascii
 import collections
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -515,9 +515,8 @@ class _HeaderParser:
         return Segments.of(segments), _Specs(root, specs), tuple(note for _, note in entries)
 
     def all_paths(self) -> list[KeyPath]:
-        unused = [i for i, p in enumerate(self.paths) if p is None]
-        if unused:
-            raise _fail("tensors", f"tensor {unused[0]} is not referenced by the tree")
+        if None in self.paths:
+            raise _fail("tensors", f"tensor {self.paths.index(None)} is not referenced by the tree")
         return self.paths  # type: ignore[return-value]  # no None left
 
     def tables_v3(
@@ -679,10 +678,13 @@ class _HeaderParser:
         if tag in ("dict", "odict"):
             _, keys, values, *more = _list(raw, where, 4 if tag == "odict" and len(raw) == 4 else 3)
             keys = _list(keys, where)
-            if not set(map(type, keys)) <= _VERBATIM:  # else each is a JSON scalar as it is
+            try:  # hashable: each is a JSON scalar as it is
+                distinct = len(set(keys))
+            except TypeError:  # a list (a non-finite float) or an object among them
                 keys = [self.scalar(k, path) for k in keys]
+                distinct = len(set(keys))
             values = _list(values, where, len(keys))
-            if len(dict.fromkeys(keys)) != len(keys):
+            if distinct != len(keys):
                 raise _fail(where, "duplicate dict key")
             nodes = self.children(keys, values, path, depth)
             attrs = self.attrs(more[0], path, depth) if more else ()
@@ -715,16 +717,18 @@ class _HeaderParser:
         set where a value may be unhashable.  All the key paths are charged before any is made.
         """
         count = len(raws)
-        if not count or set(map(type, raws)) != {list}:
+        if not count:
             return None
         try:  # one pass splits the [tag, index] pairs and checks they all have one length
-            columns = list(zip(*raws, strict=True))
-        except ValueError:
+            columns = list(islice(zip(*raws, strict=True), 3))  # no more: long items are refused
+        except (TypeError, ValueError):  # a scalar among them, or pairs and triples
             return None
+        # A str or an object among them is split too, but its tag is a character or its
+        # index a str: only lists of "tensor" and an int get through.
         if len(columns) != 2 or columns[0].count("tensor") != count:
             return None
         indices: tuple[int, ...] = columns[1]
-        if set(map(type, indices)) != {int}:
+        if list(map(type, indices)).count(int) != count:
             return None
         first, last = indices[0], indices[-1]
         # The common case, as the encoder numbers tensors: consecutive (a C-speed check).

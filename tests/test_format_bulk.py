@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from astage import _format
 from astage._errors import IntegrityError
 from astage._format import Segment, Segments, _storage_views
+from astage._format_spec import PARSE_AMPLIFICATION, PARSE_SLACK
 from astage._header_tree import _HeaderParser
 from astage._parse_bound import _unpadded_len
 from astage._tensor_table import _rows
+from tests.test_format import _VERSION_2_DOC, _forge_version, _parse_peak
 
 
 def _storages() -> list[torch.UntypedStorage]:
@@ -91,7 +93,8 @@ def test_unpadded_len_of_spaces_only_and_of_no_spaces(length: int) -> None:
 _REF = st.one_of(
     st.builds(lambda i: ["tensor", i], st.integers(-2, 12)),
     st.sampled_from([["tensor", True], ["tensor", 1.0], ["tensor"], ["tensor", 0, 0], [["tensor"], 0]]),
-    st.sampled_from([5, [], ["ref", 0], ["list", []]]),
+    st.sampled_from([5, None, [], ["ref", 0], ["list", []], "te", "tensor", {"tensor": 1, "x": 2}]),
+    st.sampled_from([["tensor", "1"], [1, "tensor"], ["tensor", [0]], ["tensor", 2**70]]),
 )
 
 
@@ -183,3 +186,22 @@ def test_a_parsed_header_makes_no_segment_records() -> None:
     assert sum(type(o) is Segment for o in gc.get_objects()) == before
     assert header.segments == encoded.header.segments
     assert len(header.segments) == 50
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [[0] * 200_000, [0] * 200_000],
+        ["a" * 400_000, "b" * 400_000],
+        [{str(i): 0 for i in range(40_000)}] * 2,
+    ],
+    ids=["long lists", "long strs", "wide objects"],
+)
+def test_a_container_of_long_equal_items_is_parsed_within_the_bound(items: list[Any]) -> None:
+    # The bulk path splits a container's items with one zip: it must not zip long ones.
+    doc = json.loads(_VERSION_2_DOC)
+    doc["tree"] = ["list", items]
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    peak, parsed = _parse_peak(_forge_version(header, 2))
+    assert not parsed
+    assert peak <= PARSE_AMPLIFICATION * len(header) + PARSE_SLACK, peak / len(header)
