@@ -85,7 +85,16 @@ from ._header_tree import _HeaderParser, _reject_constant, _TreeEncoder, _unique
 from ._limits import CHUNK_BYTES
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
-from ._parse_bound import _padding, _parse_budget, _parse_cost, _table_cost, _unpadded_len
+from ._parse_bound import (
+    _joined_cost,
+    _padding,
+    _parse_budget,
+    _parse_cost,
+    _table_cost,
+    _text_tokens,
+    _Tokens,
+    _unpadded_len,
+)
 from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from ._rebuild import rebuild
 from ._slices import drive
@@ -287,6 +296,9 @@ class FileLayout:
     body_nbytes: int
     charged: int
     """What a reader charges to its parse budget beyond the counted tokens (_parse_cost)."""
+    tree_tokens: _Tokens
+    """What :attr:`tree_json`'s tokens cost a reader: counted once, not for every header
+    made from this layout (it is a megabyte of text on 20,000 tensors)."""
 
     @without_gc
     def encode(self) -> Encoded:
@@ -322,10 +334,14 @@ class FileLayout:
             "body_nbytes": self.body_nbytes,
         }
         head = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-        text = f"{head[:-1]},{self.tree_json}}}".encode("ascii")
+        # The JSON is the metadata's members, then the tree's: joined at a comma, so no
+        # escape straddles the two and their token costs add up.
+        members = f"{head[:-1]},".encode("ascii")
+        text = b"".join([members, self.tree_json.encode("ascii"), b"}"])
+        cost = _joined_cost([_text_tokens(members), self.tree_tokens], len(text))
         charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
         binary = [counts, self.tables, storages.tobytes()]
-        return [*binary, text], _padding(text, sum(map(len, binary)), charged)
+        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), charged)
 
 
 @without_gc
@@ -383,6 +399,7 @@ def lay_out(
         nbytes=tuple(nbytes),
         body_nbytes=end,
         charged=tree_encoder.charged,
+        tree_tokens=_text_tokens(tree_json.encode("ascii")),
     )
     _check_widest_header(layout)
     return layout

@@ -9,7 +9,8 @@ an honest header is never refused.  Pure: no file, socket or thread.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, NamedTuple
 
 import numpy as np
 
@@ -52,16 +53,35 @@ def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
     if unpadded is None:
         unpadded = _unpadded_len(raw)
     text = bytes(raw[:unpadded])  # the padding holds no tokens: not scanned (or copied)
-    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
+    return len(raw) - unpadded + _joined_cost([_text_tokens(text)], unpadded)
+
+
+class _Tokens(NamedTuple):
+    """What a piece of header text's tokens cost (:func:`_parse_cost`), and whether it
+    holds a backslash-u escape: a text's cost is its pieces' summed (:func:`_joined_cost`)."""
+
+    cost: int
+    escapes: bool
+
+
+def _text_tokens(text: bytes) -> _Tokens:
+    """The :class:`_Tokens` of ``text``, which has no padding."""
+    values = text.count(b",") + text.count(b"[") + text.count(b"{")
     digits = len(text) - len(text.translate(None, _DIGITS))
-    return (
-        len(raw)
-        + (5 if b"\\" in text and b"\\u" in text else 2) * unpadded  # a byte is found faster
-        + _COST_VALUE * values
+    cost = (
+        _COST_VALUE * values
         + _COST_QUOTE * text.count(b'"')
         + _COST_COLON * text.count(b":")
         + _COST_DIGIT * digits
     )
+    return _Tokens(cost, b"\\" in text and b"\\u" in text)  # a byte is found faster than two
+
+
+def _joined_cost(pieces: Sequence[_Tokens], length: int) -> int:
+    """:func:`_parse_cost` of an unpadded text of ``length`` bytes made of these pieces
+    (joined where no escape can straddle two of them)."""
+    escapes = any(piece.escapes for piece in pieces)
+    return length + (5 if escapes else 2) * length + _COST_VALUE + sum(piece.cost for piece in pieces)
 
 
 def _unpadded_len(raw: bytes | memoryview) -> int:
@@ -97,16 +117,21 @@ def _parse_budget(
     ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3),
     ``unpadded`` as :func:`_parse_cost`.
     """
+    return _budget(header_len, _parse_cost(text, unpadded) + table_cost, version)
+
+
+def _budget(header_len: int, cost: int, version: int) -> int:
     factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
-    return factor * header_len + PARSE_SLACK - _parse_cost(text, unpadded) - table_cost
+    return factor * header_len + PARSE_SLACK - cost
 
 
-def _padding(text: bytes, binary_len: int, charged: int) -> int:
-    """How many trailing spaces make a header with JSON ``text`` fit :data:`PARSE_AMPLIFICATION`.
+def _padding(text_len: int, text_cost: int, binary_len: int, charged: int) -> int:
+    """How many trailing spaces make a header fit :data:`PARSE_AMPLIFICATION`: its JSON text
+    is ``text_len`` bytes and costs ``text_cost`` (:func:`_parse_cost`, unpadded).
 
     A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
     ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
     what the tables and the tree's structure cost beyond the text's tokens.
     """
-    short = -_parse_budget(binary_len + len(text), text, FORMAT_VERSION) + charged
+    short = -_budget(binary_len + text_len, text_cost, FORMAT_VERSION) + charged
     return max(0, -(-short // (PARSE_AMPLIFICATION - 1)))

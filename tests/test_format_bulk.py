@@ -3,6 +3,7 @@ take the parser's column-at-a-time paths or not, read alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from typing import Any
@@ -19,7 +20,7 @@ from astage._errors import IntegrityError
 from astage._format import Segment, Segments, _storage_views
 from astage._format_spec import PARSE_AMPLIFICATION, PARSE_SLACK
 from astage._header_tree import _HeaderParser
-from astage._parse_bound import _unpadded_len
+from astage._parse_bound import _joined_cost, _parse_cost, _text_tokens, _unpadded_len
 from astage._tensor_table import _rows
 from tests.test_format import _VERSION_2_DOC, _forge_version, _parse_peak
 
@@ -205,3 +206,19 @@ def test_a_container_of_long_equal_items_is_parsed_within_the_bound(items: list[
     peak, parsed = _parse_peak(_forge_version(header, 2))
     assert not parsed
     assert peak <= PARSE_AMPLIFICATION * len(header) + PARSE_SLACK, peak / len(header)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_id", "key"),
+    [("plain", "k"), ("caf\u00e9", "k"), ("id", "\u00e9t\u00e9"), ("a\\u", "b\\u"), ("\\", "\u4e00\\")],
+)
+def test_the_encoder_counts_each_header_text_as_a_reader_does(checkpoint_id: str, key: str) -> None:
+    # The tree's tokens are counted once a layout; a header's text is its metadata and that.
+    state = {key: torch.zeros(2), "n": [1, 2.5, None, "s", {"x": 10**30}]}
+    layout = _format.lay_out(state, owner_rank=1, step=2, checkpoint_id=checkpoint_id)
+    for holder in (None, 7, 2**31 - 1):
+        parts, _ = dataclasses.replace(layout, holder_rank=holder).header_parts([0])
+        text = parts[-1]
+        members = text[: len(text) - len(layout.tree_json) - 1]
+        pieces = [_text_tokens(members), layout.tree_tokens]
+        assert _joined_cost(pieces, len(text)) == _parse_cost(text)
