@@ -299,6 +299,9 @@ class FileLayout:
     tree_tokens: _Tokens
     """What :attr:`tree_json`'s tokens cost a reader: counted once, not for every header
     made from this layout (it is a megabyte of text on 20,000 tensors)."""
+    storage_table: np.ndarray[Any, Any]
+    """The storage table with :attr:`offsets` and :attr:`nbytes` in and zero checksums
+    (read-only): each header copies it and sets the checksums."""
 
     @without_gc
     def encode(self) -> Encoded:
@@ -319,9 +322,7 @@ class FileLayout:
         """The header's pieces (tables, then JSON) with these storage checksums, and the
         number of spaces that pad it (:func:`_padding`): joined once, in the prefix, for a
         header that is mostly padding on many small tensors."""
-        storages = np.zeros(len(self.offsets), STORAGE_RECORD)
-        storages["offset"] = self.offsets
-        storages["nbytes"] = self.nbytes
+        storages = self.storage_table.copy()
         storages["crc32c"] = crcs
         counts = _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
         meta = {
@@ -400,9 +401,18 @@ def lay_out(
         body_nbytes=end,
         charged=tree_encoder.charged,
         tree_tokens=_text_tokens(tree_json.encode("ascii")),
+        storage_table=_blank_storage_table(offsets, nbytes),
     )
     _check_widest_header(layout)
     return layout
+
+
+def _blank_storage_table(offsets: Sequence[int], nbytes: Sequence[int]) -> np.ndarray[Any, Any]:
+    table = np.zeros(len(offsets), STORAGE_RECORD)
+    table["offset"] = offsets
+    table["nbytes"] = nbytes
+    table.flags.writeable = False
+    return table
 
 
 def _check_widest_header(layout: FileLayout) -> None:
