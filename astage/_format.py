@@ -702,26 +702,32 @@ def verify_body(header: FileHeader, body: torch.Tensor) -> None:
         verifier.update(view)
         verifier.finish()
         return
-    # The same checks, in the same order, as BodyVerifier: the gap before a storage, then
-    # its checksum; the gaps checked all at once.
-    checksum = crc32c.crc32c
-    for index, (offset, nbytes, expected) in enumerate(segments.columns()):
-        if index == dirty:
-            raise IntegrityError(f"non-zero padding before storage {index}")
-        if checksum(view[offset : offset + nbytes]) != expected:
-            raise IntegrityError(f"checksum mismatch in storage {index} (body bytes from {offset})")
+    # The same checks as BodyVerifier, and the same first error: the gap before a storage,
+    # then its checksum.  The gaps are checked all at once, the checksums in one C-speed
+    # pipeline (no Python step a storage) and compared as a column.
+    starts = segments.offsets.tolist()
+    slices = map(slice, starts, (segments.offsets + segments.nbytes).tolist())
+    pieces: Iterator[memoryview] = map(view.__getitem__, slices)
+    crcs = np.fromiter(map(crc32c.crc32c, pieces), np.int64, len(segments))
+    mismatched = np.flatnonzero(crcs != segments.crcs)
+    index = int(mismatched[0]) if len(mismatched) else len(segments)
+    if dirty <= index and dirty < len(segments):
+        raise IntegrityError(f"non-zero padding before storage {dirty}")
+    if index < len(segments):
+        raise IntegrityError(f"checksum mismatch in storage {index} (body bytes from {starts[index]})")
 
 
 _GAP_BLOCK: Final = 1 << 14
-"""Storages whose gaps :func:`_first_dirty_gap` gathers at once (at most 1 MiB of bytes)."""
+"""Storages whose gaps :func:`_first_dirty_gap` gathers at once (1 MiB of blocks)."""
 
 
 def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Segments) -> int:
     """The first storage preceded by a non-zero byte, ``len(segments)`` if none, or -1 if
-    the segments are not in order (each gap is under :data:`ALIGNMENT` bytes once parsed).
+    the segments are not in order on aligned offsets (as every parsed header's are).
 
-    Gathers every gap's bytes with one index array a block of storages: a Python
-    ``any()`` a gap costs more than the checksum of a small storage.
+    A gap is then the tail of one :data:`ALIGNMENT`-byte block of the body: the blocks of
+    a batch of storages are gathered as rows and masked at once, with no Python step a gap
+    (a Python ``any()`` a gap costs more than the checksum of a small storage).
     """
     offsets, nbytes = segments.offsets, segments.nbytes
     gap_starts = np.zeros(len(segments), np.int64)
@@ -729,14 +735,18 @@ def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Segments) -> int:
     lengths = offsets - gap_starts
     if (lengths < 0).any() or (lengths >= ALIGNMENT).any() or (offsets + nbytes > len(body)).any():
         return -1
-    for first in range(0, len(segments), _GAP_BLOCK):
-        starts, counts = gap_starts[first : first + _GAP_BLOCK], lengths[first : first + _GAP_BLOCK]
-        owners = np.repeat(np.arange(len(counts)), counts)
-        before = np.cumsum(counts) - counts  # each gap's first byte among the gathered ones
-        at = np.repeat(starts - before, counts) + np.arange(len(owners))
-        bad = np.flatnonzero(body[at])
-        if len(bad):
-            return first + int(owners[bad[0]])
+    gapped = np.flatnonzero(lengths)
+    if (offsets[gapped] % ALIGNMENT).any():
+        return -1
+    blocks = body[: len(body) // ALIGNMENT * ALIGNMENT].reshape(-1, ALIGNMENT)
+    columns = np.arange(ALIGNMENT)
+    for first in range(0, len(gapped), _GAP_BLOCK):
+        which = gapped[first : first + _GAP_BLOCK]
+        starts = gap_starts[which]
+        rows = blocks[starts // ALIGNMENT]
+        dirty = ((rows != 0) & (columns >= (starts % ALIGNMENT)[:, None])).any(axis=1)
+        if dirty.any():
+            return int(which[np.argmax(dirty)])
     return len(segments)
 
 
