@@ -1,4 +1,4 @@
-"""The checkpoint file format's vocabulary: its version, limits, dtype allow-list and header records.
+"""The checkpoint file format's vocabulary: version, limits, dtype allow-list, header records, leaf tags.
 
 Every other format module (:mod:`astage._format` and the modules it is built from) takes
 its constants from here, so a limit is written once: what the encoder refuses and what the
@@ -8,15 +8,18 @@ and ``docs/format.md``.  Pure: no file, socket or thread.
 
 from __future__ import annotations
 
+import binascii
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple, overload
 
 import numpy as np
 import torch
 
 from ._errors import IntegrityError
+from ._limits import INT64 as _INT64
 from ._plan import StagePlan
 
 MAGIC: Final = b"ASTAGE\x00R"
@@ -234,3 +237,87 @@ def _align(n: int) -> int:
 def _fail(where: str, message: str) -> IntegrityError:
     """The error for a malformed header field: ``header <where>: <message>``."""
     return IntegrityError(f"header {where}: {message}")
+
+
+# -- tree leaves --------------------------------------------------------------------------
+
+_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
+    **DTYPES,
+    **{
+        name: getattr(torch, name)
+        for name in (
+            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
+            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
+            *(f"int{n}" for n in range(1, 8)),
+            *(f"uint{n}" for n in range(1, 8)),
+        )
+        if isinstance(getattr(torch, name, None), torch.dtype)
+    },
+}
+"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
+object is only a name."""
+
+_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _float_part(raw: Any) -> float | None:
+    if type(raw) is float:
+        return raw
+    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
+        return _NONFINITE[raw[1]]
+    return None
+
+
+def _bytes_leaf(text: Any) -> bytes | None:
+    if type(text) is not str:
+        return None
+    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+
+
+def _complex_leaf(real: Any, imag: Any) -> complex | None:
+    re, im = _float_part(real), _float_part(imag)
+    return None if re is None or im is None else complex(re, im)
+
+
+def _size_leaf(dims: Any) -> torch.Size | None:
+    if type(dims) is not list or len(dims) > MAX_NDIM:
+        return None
+    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
+        return None
+    return torch.Size(dims)
+
+
+def _dtype_leaf(name: Any) -> torch.dtype | None:
+    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
+
+
+def _device_leaf(kind: Any, index: Any) -> torch.device | None:
+    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
+        return None
+    if index is None:
+        return torch.device(kind)
+    if type(index) is not int or not 0 <= index < 1 << 15:
+        return None
+    return torch.device(kind, index)  # RuntimeError for a type torch does not know
+
+
+def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
+    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
+    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
+        return None
+    if dtype.kind == "b" and bits > 1:
+        return None
+    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
+    return value
+
+
+_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
+    "bytes": _bytes_leaf,
+    "complex": _complex_leaf,
+    "size": _size_leaf,
+    "dtype": _dtype_leaf,
+    "device": _device_leaf,
+    "numpy": _numpy_leaf,
+}
+"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""

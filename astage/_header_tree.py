@@ -13,8 +13,9 @@ from __future__ import annotations
 import binascii
 import collections
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
+from operator import attrgetter
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -23,7 +24,10 @@ import torch
 from ._errors import Attr, KeyPath, UnsupportedInputError, format_key_path
 from ._format_spec import (
     _ID_CAP,
+    _LEAF_DECODERS,
+    _NONFINITE,
     _NUMPY_NAMES,
+    _TORCH_DTYPE_LEAVES,
     DTYPES,
     FORMAT_VERSION,
     MAX_DEPTH,
@@ -64,22 +68,6 @@ from ._tensor_table import (
 
 _INT_BITS_CAP = 13_000  # below CPython's 4300-digit int/str conversion limit
 
-_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
-    **DTYPES,
-    **{
-        name: getattr(torch, name)
-        for name in (
-            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
-            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
-            *(f"int{n}" for n in range(1, 8)),
-            *(f"uint{n}" for n in range(1, 8)),
-        )
-        if isinstance(getattr(torch, name, None), torch.dtype)
-    },
-}
-"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
-object is only a name."""
-
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _TORCH_DTYPE_LEAF_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPE_LEAVES.items()}
 _KINDS: Final = {
@@ -89,8 +77,6 @@ _KINDS: Final = {
 }
 _V2_KINDS: Final = frozenset({TensorKind.NDARRAY})
 _V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
-_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
-_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _SCALARS: Final = (type(None), bool, int, float, str)
 _VERBATIM: Final = frozenset({type(None), bool, str})
 """Leaf and key types whose JSON form is the value itself, unchecked (ints and floats have
@@ -180,6 +166,7 @@ class _TreeEncoder:
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
         self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
+        self.storable = _all_storable(plan.tensors)  # then no tensor needs _check_tensor
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
@@ -247,16 +234,23 @@ class _TreeEncoder:
         return ["tensor", index]
 
     def children(self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int) -> list[Any]:
-        # Tensors are the bulk of a state_dict: met again, they need no key path and no
-        # dispatch (about a third of the walk's time on 20,000 tensors).
+        # Tensors are the bulk of a state_dict: met again, or all storable, they need no key
+        # path, call or dispatch (about a third of the walk's time on 20,000 tensors).
         out: list[Any] = []
         append = out.append
         seen = self.seen
+        storable = self.storable
+        fresh = _COST_PATH + 8 * (len(path) + 1)  # a child's key path, charged by a reader
         for key, child in zip(keys, nodes, strict=True):
-            if type(child) is TensorNode and child.position in seen:
-                append(["tensor", child.position])
-            elif type(child) is TensorNode:
-                append(self.tensor(child.position, (*path, key)))
+            if type(child) is TensorNode:
+                position = child.position
+                if position not in seen:
+                    if not storable:
+                        append(self.tensor(position, (*path, key)))
+                        continue
+                    seen.add(position)
+                    self.charged += fresh
+                append(["tensor", position])
             else:
                 append(self.node(child, (*path, key), depth + 1))
         return out
@@ -311,6 +305,16 @@ class _TreeEncoder:
             raise UnsupportedInputError(
                 path, "tensors carrying Python attributes cannot be stored in a checkpoint file"
             )
+
+
+def _all_storable(specs: Sequence[TensorSpec]) -> bool:
+    """Whether every tensor passes :meth:`_TreeEncoder._check_tensor`, checked a column at
+    a time (else each is checked as the walk meets it, to name its key path)."""
+    return (
+        set(map(attrgetter("dtype"), specs)) <= _DTYPE_NAMES.keys()
+        and max(map(len, map(attrgetter("size"), specs)), default=0) <= MAX_NDIM
+        and list(map(attrgetter("attrs"), specs)).count(None) == len(specs)
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -374,68 +378,6 @@ _DTENSOR_KEYS: Final = frozenset({"placements", "global_shape"})
 
 def _where(path: KeyPath) -> str:
     return f"tree at {format_key_path(path):.200}"
-
-
-def _float_part(raw: Any) -> float | None:
-    if type(raw) is float:
-        return raw
-    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
-        return _NONFINITE[raw[1]]
-    return None
-
-
-def _bytes_leaf(text: Any) -> bytes | None:
-    if type(text) is not str:
-        return None
-    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
-
-
-def _complex_leaf(real: Any, imag: Any) -> complex | None:
-    re, im = _float_part(real), _float_part(imag)
-    return None if re is None or im is None else complex(re, im)
-
-
-def _size_leaf(dims: Any) -> torch.Size | None:
-    if type(dims) is not list or len(dims) > MAX_NDIM:
-        return None
-    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
-        return None
-    return torch.Size(dims)
-
-
-def _dtype_leaf(name: Any) -> torch.dtype | None:
-    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
-
-
-def _device_leaf(kind: Any, index: Any) -> torch.device | None:
-    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
-        return None
-    if index is None:
-        return torch.device(kind)
-    if type(index) is not int or not 0 <= index < 1 << 15:
-        return None
-    return torch.device(kind, index)  # RuntimeError for a type torch does not know
-
-
-def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
-    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
-    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
-        return None
-    if dtype.kind == "b" and bits > 1:
-        return None
-    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
-    return value
-
-
-_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
-    "bytes": _bytes_leaf,
-    "complex": _complex_leaf,
-    "size": _size_leaf,
-    "dtype": _dtype_leaf,
-    "device": _device_leaf,
-    "numpy": _numpy_leaf,
-}
-"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""
 
 
 class _Specs(NamedTuple):

@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 
 from astage import _format
 from astage._errors import IntegrityError
-from astage._format import Segment, Segments, _storage_views
+from astage._format import Segment, Segments, _FilePlanner, _storage_views
 from astage._format_spec import PARSE_AMPLIFICATION, PARSE_SLACK
-from astage._header_tree import _HeaderParser
+from astage._header_tree import _HeaderParser, _TreeEncoder
 from astage._parse_bound import _joined_cost, _parse_cost, _text_tokens, _unpadded_len
+from astage._plan import StagePlan
+from astage._slices import drive
 from astage._tensor_table import _rows
 from tests.test_format import _VERSION_2_DOC, _forge_version, _parse_peak
 
@@ -263,3 +265,17 @@ def test_a_body_is_verified_as_storage_by_storage(
     except IntegrityError as exc:
         verdict = str(exc)
     assert verdict == expected
+
+
+def test_the_tree_encoder_skips_no_charge_when_every_tensor_is_storable() -> None:
+    shared = torch.ones(3)
+    state = {"a": {"b": [shared, torch.zeros(2), (shared, {"c": torch.ones(1)})]}, "d": torch.ones(2, 2)}
+    planner = _FilePlanner()
+    root = drive(planner.walk(state, ()))
+    plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
+    fast, slow = _TreeEncoder(plan), _TreeEncoder(plan)
+    assert fast.storable
+    slow.storable = False
+    assert fast.node(plan.root, (), 0) == slow.node(plan.root, (), 0)
+    assert fast.charged == slow.charged > 0
+    assert fast.seen == slow.seen == set(range(len(plan.tensors)))
