@@ -51,7 +51,6 @@ import functools
 import itertools
 import json
 import math
-import operator
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -243,15 +242,17 @@ def _storage_views(storages: Sequence[torch.UntypedStorage]) -> Iterator[memoryv
     20,000 small ones, and a tensor or numpy view costs more (a ctypes array also leaves
     cyclic garbage).  Only the storages' own bytes are ever sliced out of that range.
     """
-    pointers = list(map(_data_ptr, storages))
-    sizes = list(map(_nbytes, storages))
-    low = min(itertools.compress(pointers, sizes), default=None)  # an empty one's may be null
-    if low is None:
-        return itertools.repeat(_EMPTY, len(sizes))
-    span = _memory_view(low, max(map(operator.add, pointers, sizes)) - low, _PYBUF_READ)
-    # An empty storage's slice is empty wherever its (unused) pointer points.
-    starts = list(map(operator.sub, pointers, itertools.repeat(low)))
-    return map(operator.getitem, itertools.repeat(span), map(slice, starts, map(operator.add, starts, sizes)))
+    pointers = np.fromiter(map(_data_ptr, storages), np.uint64, len(storages))
+    sizes = np.fromiter(map(_nbytes, storages), np.uint64, len(storages))
+    held = pointers[sizes > 0]  # an empty storage's pointer may be null
+    if not len(held):
+        return itertools.repeat(_EMPTY, len(storages))
+    low = int(held.min())
+    span = _memory_view(low, int((pointers + sizes).max()) - low, _PYBUF_READ)
+    # An empty storage's slice is empty wherever its (unused) pointer points, below
+    # the range too (its start then wraps around to past the end).
+    starts = pointers - np.uint64(low)
+    return map(span.__getitem__, map(slice, starts.tolist(), (starts + sizes).tolist()))
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
