@@ -1,4 +1,4 @@
-"""The checkpoint file format's vocabulary: its version, limits, dtype allow-list and header records.
+"""The checkpoint file format's vocabulary: version, limits, dtype allow-list, header records, leaf tags.
 
 Every other format module (:mod:`astage._format` and the modules it is built from) takes
 its constants from here, so a limit is written once: what the encoder refuses and what the
@@ -8,14 +8,18 @@ and ``docs/format.md``.  Pure: no file, socket or thread.
 
 from __future__ import annotations
 
+import binascii
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Final, NamedTuple
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple, overload
 
 import numpy as np
 import torch
 
 from ._errors import IntegrityError
+from ._limits import INT64 as _INT64
 from ._plan import StagePlan
 
 MAGIC: Final = b"ASTAGE\x00R"
@@ -113,6 +117,71 @@ class Segment(NamedTuple):
     crc32c: int
 
 
+class Segments(Sequence[Segment]):
+    """A header's storages in body order, one :class:`Segment` each, kept as three int64
+    columns (read-only numpy arrays: ``offsets``, ``nbytes``, ``crcs``).
+
+    The records are made only where they are asked for, one at a time: a parse of 20,000
+    storages would otherwise make 20,000 tuples that the cyclic collector tracks for as
+    long as the header lives (a tuple subclass is never untracked), and the body checks
+    and :func:`~astage._format.decode` read the columns.  Equal to another ``Segments``
+    (or a sequence of segments) with the same records.
+    """
+
+    __slots__ = ("crcs", "nbytes", "offsets")
+
+    def __init__(
+        self, offsets: np.ndarray[Any, Any], nbytes: np.ndarray[Any, Any], crcs: np.ndarray[Any, Any]
+    ):
+        columns = [np.array(c, np.int64) for c in (offsets, nbytes, crcs)]  # copies, never views
+        if len({c.shape for c in columns}) != 1 or columns[0].ndim != 1:
+            raise ValueError("Segments needs three 1-D columns of one length")
+        for column in columns:
+            column.flags.writeable = False
+        self.offsets, self.nbytes, self.crcs = columns
+
+    @classmethod
+    def of(cls, records: Iterable[tuple[int, int, int]]) -> Segments:
+        """The segments of ``(offset, nbytes, crc32c)`` records."""
+        table = np.array(list(records), np.int64).reshape(-1, 3)
+        return cls(table[:, 0], table[:, 1], table[:, 2])
+
+    def columns(self) -> Iterator[tuple[int, int, int]]:
+        """Each storage's ``(offset, nbytes, crc32c)`` as a plain tuple of ints, made as it is taken."""
+        return zip(self.offsets.tolist(), self.nbytes.tolist(), self.crcs.tolist(), strict=True)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> Segment: ...
+    @overload
+    def __getitem__(self, index: slice) -> Segments: ...
+    def __getitem__(self, index: int | slice) -> Segment | Segments:
+        if isinstance(index, slice):
+            return Segments(self.offsets[index], self.nbytes[index], self.crcs[index])
+        return Segment(int(self.offsets[index]), int(self.nbytes[index]), int(self.crcs[index]))
+
+    def __iter__(self) -> Iterator[Segment]:
+        return map(tuple.__new__, itertools.repeat(Segment), self.columns())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Segments):
+            return all(np.array_equal(a, b) for a, b in zip(self._all(), other._all(), strict=True))
+        if isinstance(other, Sequence):
+            return list(self.columns()) == [tuple(item) for item in other]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.columns()))
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self)!r:.200})"
+
+    def _all(self) -> tuple[np.ndarray[Any, Any], ...]:
+        return self.offsets, self.nbytes, self.crcs
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DTensorNote:
     """What a DTensor was; decoding returns only its local shard, as a plain tensor."""
@@ -144,7 +213,7 @@ class FileHeader:
     created: float
     body_nbytes: int
     prefix_nbytes: int
-    segments: tuple[Segment, ...]
+    segments: Segments
     plan: StagePlan
     dtensors: tuple[DTensorNote | None, ...]
     version: int = FORMAT_VERSION
@@ -168,3 +237,87 @@ def _align(n: int) -> int:
 def _fail(where: str, message: str) -> IntegrityError:
     """The error for a malformed header field: ``header <where>: <message>``."""
     return IntegrityError(f"header {where}: {message}")
+
+
+# -- tree leaves --------------------------------------------------------------------------
+
+_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
+    **DTYPES,
+    **{
+        name: getattr(torch, name)
+        for name in (
+            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
+            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
+            *(f"int{n}" for n in range(1, 8)),
+            *(f"uint{n}" for n in range(1, 8)),
+        )
+        if isinstance(getattr(torch, name, None), torch.dtype)
+    },
+}
+"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
+object is only a name."""
+
+_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
+_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _float_part(raw: Any) -> float | None:
+    if type(raw) is float:
+        return raw
+    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
+        return _NONFINITE[raw[1]]
+    return None
+
+
+def _bytes_leaf(text: Any) -> bytes | None:
+    if type(text) is not str:
+        return None
+    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+
+
+def _complex_leaf(real: Any, imag: Any) -> complex | None:
+    re, im = _float_part(real), _float_part(imag)
+    return None if re is None or im is None else complex(re, im)
+
+
+def _size_leaf(dims: Any) -> torch.Size | None:
+    if type(dims) is not list or len(dims) > MAX_NDIM:
+        return None
+    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
+        return None
+    return torch.Size(dims)
+
+
+def _dtype_leaf(name: Any) -> torch.dtype | None:
+    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
+
+
+def _device_leaf(kind: Any, index: Any) -> torch.device | None:
+    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
+        return None
+    if index is None:
+        return torch.device(kind)
+    if type(index) is not int or not 0 <= index < 1 << 15:
+        return None
+    return torch.device(kind, index)  # RuntimeError for a type torch does not know
+
+
+def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
+    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
+    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
+        return None
+    if dtype.kind == "b" and bits > 1:
+        return None
+    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
+    return value
+
+
+_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
+    "bytes": _bytes_leaf,
+    "complex": _complex_leaf,
+    "size": _size_leaf,
+    "dtype": _dtype_leaf,
+    "device": _device_leaf,
+    "numpy": _numpy_leaf,
+}
+"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""

@@ -13,9 +13,9 @@ from __future__ import annotations
 import binascii
 import collections
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
-from operator import itemgetter
+from collections.abc import Iterable, Sequence
+from itertools import islice, repeat
+from operator import attrgetter
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -24,7 +24,10 @@ import torch
 from ._errors import Attr, KeyPath, UnsupportedInputError, format_key_path
 from ._format_spec import (
     _ID_CAP,
+    _LEAF_DECODERS,
+    _NONFINITE,
     _NUMPY_NAMES,
+    _TORCH_DTYPE_LEAVES,
     DTYPES,
     FORMAT_VERSION,
     MAX_DEPTH,
@@ -33,6 +36,7 @@ from ._format_spec import (
     DTensorNote,
     FileHeader,
     Segment,
+    Segments,
     _align,
     _fail,
 )
@@ -64,22 +68,6 @@ from ._tensor_table import (
 
 _INT_BITS_CAP = 13_000  # below CPython's 4300-digit int/str conversion limit
 
-_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
-    **DTYPES,
-    **{
-        name: getattr(torch, name)
-        for name in (
-            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
-            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
-            *(f"int{n}" for n in range(1, 8)),
-            *(f"uint{n}" for n in range(1, 8)),
-        )
-        if isinstance(getattr(torch, name, None), torch.dtype)
-    },
-}
-"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
-object is only a name."""
-
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _TORCH_DTYPE_LEAF_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPE_LEAVES.items()}
 _KINDS: Final = {
@@ -89,8 +77,6 @@ _KINDS: Final = {
 }
 _V2_KINDS: Final = frozenset({TensorKind.NDARRAY})
 _V2_LEAVES: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
-_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
-_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _SCALARS: Final = (type(None), bool, int, float, str)
 _VERBATIM: Final = frozenset({type(None), bool, str})
 """Leaf and key types whose JSON form is the value itself, unchecked (ints and floats have
@@ -180,6 +166,7 @@ class _TreeEncoder:
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
         self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
+        self.storable = _all_storable(plan.tensors)  # then no tensor needs _check_tensor
 
     def node(self, n: Node, path: KeyPath, depth: int) -> Any:
         match n:
@@ -247,16 +234,23 @@ class _TreeEncoder:
         return ["tensor", index]
 
     def children(self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int) -> list[Any]:
-        # Tensors are the bulk of a state_dict: met again, they need no key path and no
-        # dispatch (about a third of the walk's time on 20,000 tensors).
+        # Tensors are the bulk of a state_dict: met again, or all storable, they need no key
+        # path, call or dispatch (about a third of the walk's time on 20,000 tensors).
         out: list[Any] = []
         append = out.append
         seen = self.seen
+        storable = self.storable
+        fresh = _COST_PATH + 8 * (len(path) + 1)  # a child's key path, charged by a reader
         for key, child in zip(keys, nodes, strict=True):
-            if type(child) is TensorNode and child.position in seen:
-                append(["tensor", child.position])
-            elif type(child) is TensorNode:
-                append(self.tensor(child.position, (*path, key)))
+            if type(child) is TensorNode:
+                position = child.position
+                if position not in seen:
+                    if not storable:
+                        append(self.tensor(position, (*path, key)))
+                        continue
+                    seen.add(position)
+                    self.charged += fresh
+                append(["tensor", position])
             else:
                 append(self.node(child, (*path, key), depth + 1))
         return out
@@ -311,6 +305,16 @@ class _TreeEncoder:
             raise UnsupportedInputError(
                 path, "tensors carrying Python attributes cannot be stored in a checkpoint file"
             )
+
+
+def _all_storable(specs: Sequence[TensorSpec]) -> bool:
+    """Whether every tensor passes :meth:`_TreeEncoder._check_tensor`, checked a column at
+    a time (else each is checked as the walk meets it, to name its key path)."""
+    return (
+        set(map(attrgetter("dtype"), specs)) <= _DTYPE_NAMES.keys()
+        and max(map(len, map(attrgetter("size"), specs)), default=0) <= MAX_NDIM
+        and list(map(attrgetter("attrs"), specs)).count(None) == len(specs)
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -376,68 +380,6 @@ def _where(path: KeyPath) -> str:
     return f"tree at {format_key_path(path):.200}"
 
 
-def _float_part(raw: Any) -> float | None:
-    if type(raw) is float:
-        return raw
-    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
-        return _NONFINITE[raw[1]]
-    return None
-
-
-def _bytes_leaf(text: Any) -> bytes | None:
-    if type(text) is not str:
-        return None
-    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
-
-
-def _complex_leaf(real: Any, imag: Any) -> complex | None:
-    re, im = _float_part(real), _float_part(imag)
-    return None if re is None or im is None else complex(re, im)
-
-
-def _size_leaf(dims: Any) -> torch.Size | None:
-    if type(dims) is not list or len(dims) > MAX_NDIM:
-        return None
-    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
-        return None
-    return torch.Size(dims)
-
-
-def _dtype_leaf(name: Any) -> torch.dtype | None:
-    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
-
-
-def _device_leaf(kind: Any, index: Any) -> torch.device | None:
-    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
-        return None
-    if index is None:
-        return torch.device(kind)
-    if type(index) is not int or not 0 <= index < 1 << 15:
-        return None
-    return torch.device(kind, index)  # RuntimeError for a type torch does not know
-
-
-def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
-    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
-    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
-        return None
-    if dtype.kind == "b" and bits > 1:
-        return None
-    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
-    return value
-
-
-_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
-    "bytes": _bytes_leaf,
-    "complex": _complex_leaf,
-    "size": _size_leaf,
-    "dtype": _dtype_leaf,
-    "device": _device_leaf,
-    "numpy": _numpy_leaf,
-}
-"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""
-
-
 class _Specs(NamedTuple):
     root: Node
     tensors: tuple[TensorSpec, ...]
@@ -480,10 +422,9 @@ class _HeaderParser:
         else:
             segments, specs, notes = self.tables_v2(doc, body_nbytes)
         # Equal specs shared, like equal shapes (see _tensor_table._shapes).
-        shared: dict[int, StorageSpec] = {}
-        for nbytes in {s.nbytes for s in segments}:
-            shared[nbytes] = StorageSpec(nbytes, _CPU)
-        storages = tuple(map(shared.__getitem__, [s.nbytes for s in segments]))
+        sizes = segments.nbytes.tolist()
+        shared = {nbytes: StorageSpec(nbytes, _CPU) for nbytes in set(sizes)}
+        storages = tuple(map(shared.__getitem__, sizes))
         plan = StagePlan(specs.root, specs.tensors, storages)
         return FileHeader(
             owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
@@ -501,7 +442,7 @@ class _HeaderParser:
 
     def tables_v2(
         self, doc: dict[str, Any], body_nbytes: int
-    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
+    ) -> tuple[Segments, _Specs, tuple[DTensorNote | None, ...]]:
         """Storages and tensors as JSON lists (versions 1 and 2), then the tree."""
         segments = self.segments(_list(doc["storages"], "storages"), body_nbytes)
         entries = [
@@ -513,17 +454,16 @@ class _HeaderParser:
         if len({spec.storage for spec, _ in entries}) != len(segments):
             raise _fail("storages", "a storage is not referenced by any tensor")
         specs = tuple(spec._replace(key_path=path) for (spec, _), path in zip(entries, paths, strict=True))
-        return segments, _Specs(root, specs), tuple(note for _, note in entries)
+        return Segments.of(segments), _Specs(root, specs), tuple(note for _, note in entries)
 
     def all_paths(self) -> list[KeyPath]:
-        unused = [i for i, p in enumerate(self.paths) if p is None]
-        if unused:
-            raise _fail("tensors", f"tensor {unused[0]} is not referenced by the tree")
+        if None in self.paths:
+            raise _fail("tensors", f"tensor {self.paths.index(None)} is not referenced by the tree")
         return self.paths  # type: ignore[return-value]  # no None left
 
     def tables_v3(
         self, tables: _Tables, body_nbytes: int, doc: dict[str, Any]
-    ) -> tuple[tuple[Segment, ...], _Specs, tuple[DTensorNote | None, ...]]:
+    ) -> tuple[Segments, _Specs, tuple[DTensorNote | None, ...]]:
         """The binary tables (version 3), checked column by column, then the tree."""
         self.paths = [None] * len(tables.tensors)
         # The JSON tree goes as soon as it is walked: the specs below are the peak.
@@ -680,10 +620,13 @@ class _HeaderParser:
         if tag in ("dict", "odict"):
             _, keys, values, *more = _list(raw, where, 4 if tag == "odict" and len(raw) == 4 else 3)
             keys = _list(keys, where)
-            if not set(map(type, keys)) <= _VERBATIM:  # else each is a JSON scalar as it is
+            try:  # hashable: each is a JSON scalar as it is
+                distinct = len(set(keys))
+            except TypeError:  # a list (a non-finite float) or an object among them
                 keys = [self.scalar(k, path) for k in keys]
+                distinct = len(set(keys))
             values = _list(values, where, len(keys))
-            if len(dict.fromkeys(keys)) != len(keys):
+            if distinct != len(keys):
                 raise _fail(where, "duplicate dict key")
             nodes = self.children(keys, values, path, depth)
             attrs = self.attrs(more[0], path, depth) if more else ()
@@ -716,20 +659,45 @@ class _HeaderParser:
         set where a value may be unhashable.  All the key paths are charged before any is made.
         """
         count = len(raws)
-        if not count or set(map(type, raws)) != {list} or set(map(len, raws)) != {2}:
+        if not count:
             return None
-        if list(map(itemgetter(0), raws)).count("tensor") != count:
+        try:  # one pass splits the [tag, index] pairs and checks they all have one length
+            columns = list(islice(zip(*raws, strict=True), 3))  # no more: long items are refused
+        except (TypeError, ValueError):  # a scalar among them, or pairs and triples
             return None
-        indices = list(map(itemgetter(1), raws))
-        if set(map(type, indices)) != {int} or min(indices) < 0 or max(indices) >= len(self.paths):
+        # A str or an object among them is split too, but its tag is a character or its
+        # index a str: only lists of "tensor" and an int get through.
+        if len(columns) != 2 or columns[0].count("tensor") != count:
             return None
-        paths = self.paths
-        if list(map(paths.__getitem__, indices)).count(None) != count or len(set(indices)) != count:
+        indices: tuple[int, ...] = columns[1]
+        if list(map(type, indices)).count(int) != count:
+            return None
+        first, last = indices[0], indices[-1]
+        # The common case, as the encoder numbers tensors: consecutive (a C-speed check).
+        consecutive = last - first == count - 1 and indices == tuple(range(first, last + 1))
+        if not self.claim(indices, consecutive):
             return None
         self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
-        for index, child in zip(indices, map(tuple.__add__, repeat(path), zip(keys)), strict=True):
-            paths[index] = child
+        # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
+        children = list(zip(*map(repeat, path), keys, strict=False))  # the repeats are endless
+        paths = self.paths
+        if consecutive:
+            paths[first : last + 1] = children
+        else:
+            for index, child in zip(indices, children, strict=True):
+                paths[index] = child
         return tuple(map(_new_tuple, repeat(TensorNode), zip(indices)))
+
+    def claim(self, indices: tuple[int, ...], consecutive: bool) -> bool:
+        """Whether ``indices`` (ints) are distinct tensors not yet referenced."""
+        paths = self.paths
+        count = len(indices)
+        if consecutive:
+            first, end = indices[0], indices[0] + count
+            return first >= 0 and end <= len(paths) and paths[first:end].count(None) == count
+        if min(indices) < 0 or max(indices) >= len(paths):
+            return False
+        return list(map(paths.__getitem__, indices)).count(None) == count and len(set(indices)) == count
 
     def mixed_children(
         self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int

@@ -9,7 +9,8 @@ an honest header is never refused.  Pure: no file, socket or thread.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, NamedTuple
 
 import numpy as np
 
@@ -33,10 +34,11 @@ _COST_TENSOR: Final = 200
 _COST_DIM: Final = 40
 _COST_STORAGE: Final = 200
 _DIGITS: Final = b"0123456789"
-_SCAN: Final = 64 << 10  # bytes per step of the backwards search for the padding
+_SCAN: Final = 64 << 10  # bytes in the first step of the backwards search for the padding
+_SPACES: Final = np.frombuffer(b" " * 8, np.uint64)[0]
 
 
-def _parse_cost(raw: bytes | memoryview) -> int:
+def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
     """An upper bound on what :func:`parse_prefix` allocates to parse header bytes ``raw``.
 
     Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
@@ -45,32 +47,61 @@ def _parse_cost(raw: bytes | memoryview) -> int:
     for string contents and transients, or five times where a backslash-u escape can widen
     a string to four bytes a character.  Tensor key paths and namedtuple classes depend on
     the structure, so the parser charges them as it meets them (:class:`_HeaderParser`) and
-    the encoder counts them the same way (:class:`_TreeEncoder`).
+    the encoder counts them the same way (:class:`_TreeEncoder`).  ``unpadded``: the
+    :func:`_unpadded_len` of ``raw``, where the caller has it.
     """
-    unpadded = _unpadded_len(raw)
+    if unpadded is None:
+        unpadded = _unpadded_len(raw)
     text = bytes(raw[:unpadded])  # the padding holds no tokens: not scanned (or copied)
-    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1
+    return len(raw) - unpadded + _joined_cost([_text_tokens(text)], unpadded)
+
+
+class _Tokens(NamedTuple):
+    """What a piece of header text's tokens cost (:func:`_parse_cost`), and whether it
+    holds a backslash-u escape: a text's cost is its pieces' summed (:func:`_joined_cost`)."""
+
+    cost: int
+    escapes: bool
+
+
+def _text_tokens(text: bytes) -> _Tokens:
+    """The :class:`_Tokens` of ``text``, which has no padding."""
+    values = text.count(b",") + text.count(b"[") + text.count(b"{")
     digits = len(text) - len(text.translate(None, _DIGITS))
-    return (
-        len(raw)
-        + (5 if b"\\u" in text else 2) * unpadded
-        + _COST_VALUE * values
+    cost = (
+        _COST_VALUE * values
         + _COST_QUOTE * text.count(b'"')
         + _COST_COLON * text.count(b":")
         + _COST_DIGIT * digits
     )
+    return _Tokens(cost, b"\\" in text and b"\\u" in text)  # a byte is found faster than two
+
+
+def _joined_cost(pieces: Sequence[_Tokens], length: int) -> int:
+    """:func:`_parse_cost` of an unpadded text of ``length`` bytes made of these pieces
+    (joined where no escape can straddle two of them)."""
+    escapes = any(piece.escapes for piece in pieces)
+    return length + (5 if escapes else 2) * length + _COST_VALUE + sum(piece.cost for piece in pieces)
 
 
 def _unpadded_len(raw: bytes | memoryview) -> int:
-    """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes."""
+    """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes.
+
+    Compared eight bytes at a time, in blocks that double from the end (a header's padding
+    may be most of it).
+    """
     end = len(raw)
-    while end:
-        start = max(0, end - _SCAN)
-        kept = np.frombuffer(raw, np.uint8, end - start, start) != 0x20
+    step = _SCAN
+    while end >= 8:
+        words = min(end, step) // 8
+        start = end - 8 * words
+        kept = np.frombuffer(raw, np.uint64, words, start) != _SPACES
         if kept.any():
-            return end - int(np.argmax(kept[::-1]))
+            stop = end - 8 * int(np.argmax(kept[::-1]))  # the end of the last word kept
+            return stop - 8 + len(bytes(raw[stop - 8 : stop]).rstrip(b" "))
         end = start
-    return 0
+        step *= 2
+    return len(bytes(raw[:end]).rstrip(b" "))
 
 
 def _table_cost(tensors: int, dims: int, storages: int) -> int:
@@ -78,21 +109,29 @@ def _table_cost(tensors: int, dims: int, storages: int) -> int:
     return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
 
 
-def _parse_budget(header_len: int, text: bytes | memoryview, version: int, table_cost: int = 0) -> int:
+def _parse_budget(
+    header_len: int, text: bytes | memoryview, version: int, table_cost: int = 0, unpadded: int | None = None
+) -> int:
     """What is left for the structure-dependent charges; negative: refuse the header.
 
-    ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3).
+    ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3),
+    ``unpadded`` as :func:`_parse_cost`.
     """
+    return _budget(header_len, _parse_cost(text, unpadded) + table_cost, version)
+
+
+def _budget(header_len: int, cost: int, version: int) -> int:
     factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
-    return factor * header_len + PARSE_SLACK - _parse_cost(text) - table_cost
+    return factor * header_len + PARSE_SLACK - cost
 
 
-def _padding(text: bytes, binary_len: int, charged: int) -> int:
-    """How many trailing spaces make a header with JSON ``text`` fit :data:`PARSE_AMPLIFICATION`.
+def _padding(text_len: int, text_cost: int, binary_len: int, charged: int) -> int:
+    """How many trailing spaces make a header fit :data:`PARSE_AMPLIFICATION`: its JSON text
+    is ``text_len`` bytes and costs ``text_cost`` (:func:`_parse_cost`, unpadded).
 
     A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
     ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
     what the tables and the tree's structure cost beyond the text's tokens.
     """
-    short = -_parse_budget(binary_len + len(text), text, FORMAT_VERSION) + charged
+    short = -_budget(binary_len + text_len, text_cost, FORMAT_VERSION) + charged
     return max(0, -(-short // (PARSE_AMPLIFICATION - 1)))

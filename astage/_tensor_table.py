@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import Any, Final, NamedTuple
 
 import numpy as np
 
 from ._errors import KeyPath
-from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, _fail
+from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, Segments, _fail
 from ._limits import INT64 as _INT64
 from ._plan import TensorKind, TensorNode, TensorSpec
 
@@ -92,7 +92,7 @@ if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
     *("key_path", "storage", "dtype", "size", "stride", "offset", "kind", "requires_grad"),
     *("conj", "neg", "attrs", "dtensor_spec"),
 ):
-    raise ImportError("astage._tensor_table builds Segment and TensorSpec records field by field")
+    raise ImportError("astage builds Segment and TensorSpec records field by field")
 
 _EXACT_LIMIT: Final = 1 << 20
 """Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
@@ -172,7 +172,7 @@ def _first(bad: np.ndarray[Any, Any]) -> int:
     return int(np.flatnonzero(bad)[0])
 
 
-def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Segment, ...]:
+def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> Segments:
     """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
     offsets = records["offset"]
     nbytes = records["nbytes"]
@@ -196,11 +196,10 @@ def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> tuple[Seg
     end = int(ends[-1]) if len(ends) else 0
     if end != body_nbytes:
         raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
-    columns = zip(offsets.tolist(), nbytes.tolist(), records["crc32c"].tolist(), strict=True)
-    return tuple(map(_new_tuple, repeat(Segment), columns))
+    return Segments(offsets, nbytes, records["crc32c"])
 
 
-def _check_tensor_table(tables: _Tables, segments: Sequence[Segment]) -> _Columns:
+def _check_tensor_table(tables: _Tables, segments: Segments) -> _Columns:
     """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
     every tensor inside its storage.  The rare tensor with a dimension or stride of
     :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
@@ -258,7 +257,7 @@ def _check_extents(
     records: np.ndarray[Any, Any],
     starts: np.ndarray[Any, Any],
     dims: np.ndarray[Any, Any],
-    segments: Sequence[Segment],
+    segments: Segments,
 ) -> np.ndarray[Any, Any]:
     """Every tensor inside its storage, in int64 columns; returns the mask of the tensors
     too large for that (a size, stride or offset of :data:`_EXACT_LIMIT` or more, or near
@@ -286,8 +285,7 @@ def _check_extents(
     total = np.zeros(len(terms) + 1, np.int64)
     np.cumsum(terms, out=total[1:])
     last = offset + total[first + ndim] - total[first]
-    storage_nbytes = np.fromiter((s.nbytes for s in segments), np.int64, len(segments))
-    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > storage_nbytes[storage])
+    past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > segments.nbytes[storage])
     if past.any():
         i = _first(past)
         raise _fail(f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage")
@@ -308,7 +306,7 @@ def _numel_overflows(size: Sequence[int]) -> bool:
     return False
 
 
-def _check_extent(columns: _Columns, i: int, segments: Sequence[Segment]) -> None:
+def _check_extent(columns: _Columns, i: int, segments: Segments) -> None:
     """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
     start, ndim = int(columns.starts[i]), int(columns.ndim[i])
     size = columns.dims[start : start + ndim].tolist()
@@ -336,14 +334,14 @@ def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSp
     fields = zip(
         paths,
         columns.storage.tolist(),
-        _CODE_DTYPE_OBJECTS[columns.code].tolist(),
+        _column(columns.code, _CODE_DTYPE_OBJECTS),
         sizes,
         strides,
-        columns.records["offset"].tolist(),
-        _KIND_OBJECTS[columns.records["kind"]].tolist(),
-        (flags & FLAG_REQUIRES_GRAD != 0).tolist(),
-        (flags & FLAG_CONJ != 0).tolist(),
-        (flags & FLAG_NEG != 0).tolist(),
+        _column(columns.records["offset"]),
+        _column(columns.records["kind"], _KIND_OBJECTS),
+        _column(flags & FLAG_REQUIRES_GRAD != 0),
+        _column(flags & FLAG_CONJ != 0),
+        _column(flags & FLAG_NEG != 0),
         repeat(None),  # attrs: a checkpoint file holds none
         repeat(None),  # dtensor_spec: DTensors come back as their local tensor
         strict=False,  # the repeats are endless; paths and the columns have one a tensor
@@ -351,9 +349,18 @@ def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSp
     return tuple(map(_new_tuple, repeat(TensorSpec), fields))
 
 
+def _column(values: np.ndarray[Any, Any], objects: np.ndarray[Any, Any] | None = None) -> Iterable[Any]:
+    """A column's Python values (``objects`` indexed by them, where given): one value
+    repeated where all are equal, as dtypes, kinds, flags and offsets mostly are."""
+    if len(values) and not (values != values[0]).any():
+        first = values[0].item()
+        return repeat(first if objects is None else objects[first])
+    column: list[Any] = (values if objects is None else objects[values]).tolist()
+    return column
+
+
 def _shapes(columns: _Columns) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Every tensor's size and stride tuples, gathered a dimension count at a time (the
-    tuples are made by ``zip`` over the columns of one count's block of dims).
+    """Every tensor's size and stride tuples, gathered a dimension count at a time.
 
     Equal tuples are shared (most tensors of a model have one of a few shapes, and nearly
     all contiguous 1-D ones the stride ``(1,)``): fewer objects for the collector to walk
@@ -361,19 +368,36 @@ def _shapes(columns: _Columns) -> tuple[list[tuple[int, ...]], list[tuple[int, .
     """
     count = len(columns.ndim)
     ndims = np.unique(columns.ndim).tolist()
-    known: dict[tuple[int, ...], tuple[int, ...]] = {}
-    shared = known.setdefault
     sizes = np.empty(count, object)
     strides = np.empty(count, object)
     for ndim in ndims:
         which = np.flatnonzero(columns.ndim == ndim) if len(ndims) > 1 else np.arange(count)
-        block = columns.dims[columns.starts[which, None] + np.arange(2 * ndim)].T.tolist()
-        size_rows = list(zip(*block[:ndim], strict=True)) if ndim else [()] * len(which)
-        stride_rows = list(zip(*block[ndim:], strict=True)) if ndim else [()] * len(which)
-        size_rows = list(map(shared, size_rows, size_rows))
-        stride_rows = list(map(shared, stride_rows, stride_rows))
+        block = columns.dims[columns.starts[which, None] + np.arange(2 * ndim)]
+        size_rows, stride_rows = _rows(block[:, :ndim]), _rows(block[:, ndim:])
         if len(ndims) == 1:
             return size_rows, stride_rows
         sizes[which] = np.fromiter(size_rows, object, len(which))
         strides[which] = np.fromiter(stride_rows, object, len(which))
     return sizes.tolist(), strides.tolist()
+
+
+def _rows(block: np.ndarray[Any, Any]) -> list[tuple[int, ...]]:
+    """The rows of a non-empty 2-D block of non-negative int64s as tuples, equal rows one tuple.
+
+    Each row is numbered by its digits in base (largest entry + 1) where that fits in int64,
+    and a tuple is made per distinct number: a dict lookup a row (one Python int), not a
+    tuple made and hashed a row.  Otherwise the rows are made and then shared.
+    """
+    count, width = block.shape
+    if width == 0:
+        return [()] * count
+    base = int(block.max()) + 1
+    if base**width >= _INT64:
+        rows = list(zip(*block.T.tolist(), strict=True))
+        return list(map(dict[tuple[int, ...], tuple[int, ...]]().setdefault, rows, rows))
+    weights = base ** np.arange(width, dtype=np.int64)
+    numbers = (block @ weights).tolist()
+    distinct = np.array(list(set(numbers)), np.int64)
+    digits = (distinct[:, None] // weights) % base
+    known = dict(zip(distinct.tolist(), map(tuple, digits.tolist()), strict=True))
+    return list(map(known.__getitem__, numbers))

@@ -4,9 +4,11 @@ On ``small-20k`` (20,000 small fp32 tensors), times each step of the format, bes
 ``--runs``: ``lay_out`` (the walk that checks the staged tree and builds the header's tables
 and JSON), ``encode`` (the storages' crc32c and the prefix; the segments' uint8 tensors are
 made later, on first use), ``relabel`` (a replica's prefix for
-another rank, its body and checksums kept), ``parse_prefix`` (header validation into a plan)
-and ``decode`` (body verification and the rebuilt tree); and the header's size.  Pure CPU,
-one thread: no event loop, file or process group.
+another rank, its body and checksums kept), ``parse_prefix`` (header validation into a plan;
+the storage table stays numpy columns, its records are made on use) and ``decode`` (body
+verification and the rebuilt tree); and the header's size.  A step run with the cyclic
+collector paused (all but ``relabel``) includes its pass over what the step made, which
+runs as the pause ends.  Pure CPU, one thread: no event loop, file or process group.
 
     python -m benchmarks.bench_format [--scale S] [--runs N] [--quick]
 """

@@ -61,7 +61,8 @@ class Pair(NamedTuple):
 
 def replica_bytes(state: Any, **meta: Any) -> bytes:
     meta = {"owner_rank": 3, "step": 7, "checkpoint_id": "ckpt", **meta}
-    return b"".join(encode(state, **meta).buffers())
+    encoded = encode(state, **meta)  # it holds the storages the views alias: kept past the join
+    return b"".join(encoded.buffers())
 
 
 def read(data: bytes) -> Any:

@@ -38,7 +38,11 @@ from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse 
 
 def round_trip(state: Any) -> Any:
     """``state`` through encode, the bytes, parse_prefix and decode."""
-    data = b"".join(encode(state, owner_rank=0, step=1, checkpoint_id="t").buffers())
+    # The views alias the storages, which the Encoded holds (a converted numpy array's
+    # storage, only it): it must outlive the join.
+    encoded = encode(state, owner_rank=0, step=1, checkpoint_id="t")
+    data = b"".join(encoded.buffers())
+    del encoded
     header = parse_prefix(data)
     body = torch.from_numpy(np.frombuffer(bytearray(data[header.prefix_nbytes :]), dtype=np.uint8))
     return decode(header, body)
