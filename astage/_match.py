@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from ._plan import AtomNode, DictNode, Node, PlannedSource, SeqNode, StagePlan, TensorKind, TensorNode
-from ._slices import Steps, slice_over
+from ._slices import Steps, iter_distinct, slice_over
 
 _TensorGuards: Any
 try:  # private to dynamo, so optional: without it every check is the Python one
@@ -139,6 +139,8 @@ def _eligible(node: Node, key_types: dict[int, tuple[type, ...]], runs: dict[int
             and not (yield from _eligible(child, key_types, runs))
         ):
             return False
+        if slice_over():  # an optimizer's state: thousands of small dicts
+            yield
     items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
     if items_ and all(type(c) is TensorNode for c in items_):
         first = items_[0].position  # type: ignore[union-attr]
@@ -181,7 +183,12 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         )
         if slice_over():
             yield
-    return FastPlan(plan, tuple(signatures), key_types, plan.nbytes, runs)
+    nbytes = 0
+    for start in range(0, len(storages), 4096):
+        nbytes += sum(s.nbytes for s in storages[start : start + 4096])
+        if slice_over():
+            yield
+    return FastPlan(plan, tuple(signatures), key_types, nbytes, runs)
 
 
 _CHUNK = 256
@@ -391,6 +398,6 @@ def iter_match(
     if not walk_only and not (yield from matcher.tensors()):
         return None
     # A tensor object met at two positions the plan holds apart would be one in a new plan.
-    if len(set(map(id, sources))) != len(sources):
+    if not (yield from iter_distinct(sources)):
         return None
     return sources

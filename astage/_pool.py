@@ -23,19 +23,21 @@ import ctypes
 import dataclasses
 import enum
 import functools
+import itertools
 import logging
 import mmap
 import sys
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import torch
 
 from ._errors import CapacityError, ClosedError, ConfigurationError
 from ._options import check_bool, check_positive_int, check_type
+from ._slices import Steps, drive, slice_over
 from ._threads import run_sync
 
 log = logging.getLogger("astage.pool")
@@ -45,6 +47,9 @@ RECLAIM_POLL_SECONDS = 0.02
 
 ALLOC_BATCH_BYTES = 64 << 20
 """Bytes allocated and pre-faulted per worker-thread call (bounds cancellation latency)."""
+
+_HAND_OUT_CHUNK = 2048
+"""Buffers handed out between two looks at the clock."""
 
 ALLOC_BATCH_COUNT = 256
 """Storages allocated per worker-thread call.  Allocating many small ones is Python that
@@ -158,6 +163,8 @@ class Lease:
     allocated_bytes: int
     reused_buffers: int
     wait_seconds: float
+    sizes: Sequence[int] | None = None
+    """Each buffer's size in bytes, when known (saves a call a buffer on 20,000 of them)."""
 
     @property
     def storages(self) -> list[torch.UntypedStorage]:
@@ -301,16 +308,14 @@ class BufferPool:
             self._evict(self.total_bytes + missing - self.max_bytes, wanted)
             if self.total_bytes + missing > self.max_bytes:
                 return None
-        taken: list[Buffer | None] = []
-        for n in sizes:
-            bucket = self._free.get(n)
-            if bucket:
-                buf = bucket.pop()
-                self._free_bytes -= n
-                self._leased_bytes += n
-                taken.append(buf)
-            else:
-                taken.append(None)
+        taken: list[Buffer | None] = [None] * len(sizes)
+        if self._free:  # a first request finds nothing free: skip 20,000 lookups
+            for i, n in enumerate(sizes):
+                bucket = self._free.get(n)
+                if bucket:
+                    taken[i] = bucket.pop()
+                    self._free_bytes -= n
+                    self._leased_bytes += n
         self._reserved += missing
         return taken, missing
 
@@ -375,17 +380,16 @@ class BufferPool:
             raise
         self._reserved -= missing
         self._allocated_ever += missing
-        fresh_iter = iter(fresh)
-        buffers = []
-        for b in taken:
-            if b is None:
-                b = next(fresh_iter)
-                self._leased_bytes += b.nbytes()
-            buffers.append(b)
+        self._leased_bytes += missing  # the fresh buffers' sizes, summed
+        if fresh:
+            fresh_iter = iter(fresh)
+            buffers = [next(fresh_iter) if b is None else b for b in taken]
+        else:
+            buffers = cast(list[Buffer], taken)
         reused = len(sizes) - len(fresh)
         if waited > 0.001:
             log.debug("waited %.3fs for %d staging bytes", waited, need)
-        return Lease(buffers, missing, reused, waited)
+        return Lease(buffers, missing, reused, waited, sizes)
 
     def _log_wait(self, need: int, waited: float) -> None:
         # A stage stuck under the cap is the usual sign of staged copies never released
@@ -443,19 +447,32 @@ class BufferPool:
         """Mark a lease as owned by a caller: its buffers come back once unreferenced.
 
         Returns the lease's serial, which names this copy in :meth:`copy_of`."""
-        out = self._out
+        return drive(self.iter_hand_out(lease))
+
+    def iter_hand_out(self, lease: Lease) -> Steps[int]:
+        """:meth:`hand_out` in time slices: a copy of 20,000 buffers in one go held the
+        loop ~6 ms.  Between slices the lease is partly handed out, so an async caller
+        runs it shielded from cancellation; its buffers are still referenced by the lease
+        then, so :meth:`reclaim` leaves them alone."""
         self._copies_out += 1
-        copy_of, serial = self._copy_of, self._copies_out
-        for buf in lease.buffers:
-            nbytes = buf.nbytes()
-            self._leased_bytes -= nbytes
+        serial = self._copies_out
+        buffers = lease.buffers
+        sizes = lease.sizes if lease.sizes is not None else [buf.nbytes() for buf in buffers]
+        for start in range(0, len(buffers), _HAND_OUT_CHUNK):
+            chunk = buffers[start : start + _HAND_OUT_CHUNK]
+            nbytes = sizes[start : start + _HAND_OUT_CHUNK]
+            total = sum(nbytes)
+            self._leased_bytes -= total
             if not self._closed:
-                key = buf._cdata
-                out[key] = buf
-                copy_of[key] = (serial, nbytes)
-                self._out_bytes += nbytes
-        if not self._closed and lease.buffers:
-            self._copy_buffers[self._copies_out] = len(lease.buffers)
+                keys = [buf._cdata for buf in chunk]
+                self._out.update(zip(keys, chunk, strict=True))
+                self._copy_of.update(
+                    zip(keys, zip(itertools.repeat(serial), nbytes, strict=False), strict=True)
+                )
+                self._out_bytes += total
+                self._copy_buffers[serial] = self._copy_buffers.get(serial, 0) + len(chunk)
+            if slice_over():
+                yield
         lease.buffers = []
         return serial
 

@@ -66,7 +66,7 @@ from ._options import (
 from ._plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
 from ._pool import Buffer, BufferKind, BufferPool, PoolStats
 from ._rebuild import Rebuilder, make_tensor, plain_tensor_mode
-from ._slices import Steps, clock, drive, run_steps, slice_over, within
+from ._slices import Steps, clock, drive, iter_distinct, run_steps, slice_over, within
 from ._threads import run_sync
 
 if TYPE_CHECKING:
@@ -386,7 +386,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.hand_out(lease)
             self._pool.reclaim()
             raise
-        serial = self._pool.hand_out(lease)
+        with anyio.CancelScope(shield=True):  # half handed out between its slices
+            serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
         self._remember(plan, serial, sources, cast(list[torch.Tensor], rebuilder.tensors))
         stats = self._record(
             plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
@@ -647,7 +648,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         # One buffer per planned storage, all distinct, and every buffer of that copy here:
         # one left out may still be in the caller's hands, and a copy not released is never
         # overwritten.
-        if serial is None or None in buffers or len({id(b) for b in buffers}) != len(buffers):
+        if serial is None or None in buffers or not (yield from iter_distinct(buffers)):
             return None
         if self._pool.copy_buffers(serial) != len(buffers):
             return None

@@ -19,7 +19,7 @@ from astage import DefaultStager, StagingOptions, UnsupportedInputError
 from astage._match import iter_fast_plan, iter_match
 from astage._plan import plan_state_dict
 from astage._slices import drive
-from tests.helpers import run_cancelled_at
+from tests.helpers import heartbeat_gaps, run_cancelled_at
 from tests.statedicts import assert_same_tree, bytes_equal, storage_key, tensors_of
 
 pytestmark = pytest.mark.anyio
@@ -648,3 +648,24 @@ async def test_pool_stats_count_a_dropped_copy_as_back_and_a_released_one_as_kep
         assert stats.handed_out_bytes == 0
         assert await stager.stage(sd) is staged, "the kept copy is what the next stage refills"
         assert stager.pool_stats().kept_bytes == 0
+
+
+async def test_a_first_stage_of_an_optimizer_s_many_small_dicts_leaves_the_loop_its_turn() -> None:
+    # Planning, checking that the plan can be re-checked, leasing and handing out buffers:
+    # every per-container and per-buffer walk of a first stage is sliced.  Measured on
+    # 4,000 two-tensor dicts: the eligibility walk alone held the loop ~25 ms, handing
+    # out the buffers ~4 ms; now no hold reaches 5 ms of the loop thread's CPU.
+    sd = {
+        "model": {f"w{i}": torch.randn(4) for i in range(4_000)},
+        "optim": {i: {"exp_avg": torch.randn(4), "exp_avg_sq": torch.randn(4)} for i in range(4_000)},
+    }
+    gc.collect()
+    async with DefaultStager() as stager:
+        staged: list[Any] = []
+
+        async def stage() -> None:
+            staged.append(await stager.stage(sd))
+
+        beats = await heartbeat_gaps(stage)
+        assert_faithful(staged[0], sd)
+    assert max(beats.busy) < 0.015, sorted(beats.busy)[-3:]
