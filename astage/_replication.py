@@ -34,6 +34,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -56,12 +57,13 @@ from ._errors import describe as _describe
 from ._format import (
     Encoded,
     FileHeader,
+    FileLayout,
     byte_view,
     decode,
-    encode,
     parse_prefix,
     verify_body,
 )
+from ._layout_cache import LayoutCache, PendingLayout
 from ._limits import INT64
 from ._options import StagingOptions, coerce_options
 from ._persist import (
@@ -255,6 +257,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
         # Received replicas land in buffers reused from call to call (no page faults in
         # the steady state); one comes back once nothing references its replica.
         self._inbox = BufferPool(BufferKind.PLAIN)
+        # A repeated structure is laid out once (as Checkpointer.save does).
+        self._layouts = LayoutCache(self.rank)
         # Replicas replaced on disk, still to delete (see _retire_previous).
         self._retired: list[Path] = []
         self._lock: anyio.Lock | None = None
@@ -405,7 +409,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
-                encoded = await self._encode(staged, step, ckpt, shared)
+                encoded = await self._encode(staged, step, ckpt, shared, stage_stats)
                 del shared
             encoded_at = time.perf_counter()
             path = replica_path(
@@ -444,17 +448,34 @@ class ReplicationStager(anyio.abc.AsyncResource):
         )
         return ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats, received.body)
 
-    async def _encode(self, staged: Any, step: int, ckpt: str, shared: Encoded | None) -> Encoded:
-        """This rank's replica: ``shared``'s body and checksums with a new prefix, or encoded anew."""
+    async def _encode(
+        self, staged: Any, step: int, ckpt: str, shared: Encoded | None, stats: StageStats | None
+    ) -> Encoded:
+        """This rank's replica: ``shared``'s body and checksums with a new prefix, or encoded
+        anew, with the layout kept from an earlier call of the same structure if it matches
+        (:mod:`astage._layout_cache`; a copy the stager refilled is only walked)."""
+        make: Callable[[], Encoded]
         if shared is not None:
             make = functools.partial(shared.relabel, owner_rank=self.rank, holder_rank=self.send_to)
         else:
-            make = functools.partial(
-                encode, staged, owner_rank=self.rank, holder_rank=self.send_to, step=step, checkpoint_id=ckpt
-            )
+            layout = await self._lay_out(staged, step, ckpt, stats)
+            make = dataclasses.replace(layout, holder_rank=self.send_to).encode
         # Boxed: the worker thread must not keep the replica, which views the staged
         # buffers, once this resumes (see astage._threads).
         return await run_sync(make)
+
+    async def _lay_out(self, staged: Any, step: int, ckpt: str, stats: StageStats | None) -> FileLayout:
+        trusted = stats is not None and stats.refilled and isinstance(self.stager, DefaultStager)
+        refilled = stats.copy if trusted and stats is not None else None
+        layouts = self._layouts
+        layout = await layouts.lay_out(staged, step=step, checkpoint_id=ckpt, limiter=None, refilled=refilled)
+        if isinstance(layout, PendingLayout):
+            completed = await layout.complete()
+            if completed is not None:
+                return completed
+            layout = await layouts.lay_out_in_full(staged, step=step, checkpoint_id=ckpt, limiter=None)
+        await layouts.keep(staged, layout, None, stats.copy if stats is not None else None)
+        return layout
 
     async def _exchange_and_keep(
         self, encoded: Encoded, path: Path, deadline: float

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import astage
-from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError, _replication
-from astage._format import encode
+from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError
+from astage._format import FileLayout, encode
 from astage._persist import is_temp_name, replica_path
 from tests.distributed import kill_self, run_group, stop_self
 from tests.statedicts import rank_state, same_state, storage_key
@@ -161,16 +161,16 @@ async def corrupt_target(rank: int, world: int, root: str) -> dict[str, Any]:
     async with astage.ReplicationStager(storage_dir=storage, timeout=30, chunk_bytes=64 << 10) as rs:
         first = await rs.replicate(state_of(rank, 100_000), step=1)
         before = first.replica_path.read_bytes()
-        real_encode = _replication.encode
+        real_encode = FileLayout.encode
 
-        def encode_then_damage(*args: Any, **kwargs: Any) -> Any:
-            encoded = real_encode(*args, **kwargs)
+        def encode_then_damage(self: FileLayout) -> Any:
+            encoded = real_encode(self)
             _, data = encoded.segments[0]
             data[-1] ^= 1  # after the checksums were taken: the peer must notice
             return encoded
 
         if rank == 0:
-            _replication.encode = encode_then_damage
+            FileLayout.encode = encode_then_damage  # type: ignore[method-assign]
         try:
             await rs.replicate(state_of(rank, 100_000), step=2)
         except astage.AstageError as exc:
@@ -178,7 +178,7 @@ async def corrupt_target(rank: int, world: int, root: str) -> dict[str, Any]:
         else:
             error = None
         finally:
-            _replication.encode = real_encode
+            FileLayout.encode = real_encode  # type: ignore[method-assign]
         kept = first.replica_path.read_bytes()
         again = await rs.replicate(state_of(rank, 100_000), step=3)  # the group is intact
         again_ok = same_state(again.replica, state_of(1 - rank, 100_000))
@@ -277,3 +277,43 @@ def test_replicate_staged_sends_a_replica_encoded_beforehand_relabelled(tmp_path
         assert value["replica_ok"]
         assert value["ranks"] == value["expected"]
         assert value["sent"]
+
+
+def advance(state: dict[str, Any], step: int) -> None:
+    """One training step, in place (the same storages, as an optimizer writes them)."""
+    with torch.no_grad():
+        state["model"]["w"].add_(step)
+        state["model"]["p"].mul_(step + 1)
+    if step == 4:  # a new structure: laid out anew
+        state["model"]["extra"] = torch.arange(3)
+
+
+async def kept_layout_target(rank: int, world: int, root: str) -> dict[int, dict[str, bool]]:
+    peer = 1 - rank
+    out: dict[int, dict[str, bool]] = {}
+    async with astage.ReplicationStager(storage_dir=Path(root) / f"rank{rank}", timeout=30) as rs:
+        state, want = state_of(rank), state_of(peer)
+        for step in range(1, 5):
+            advance(state, step)
+            advance(want, step)
+            result = await rs.replicate(state, step=step)
+            kept = rs._layouts._kept
+            assert result.stats.stage is not None
+            out[step] = {
+                "ok": same_state(result.replica, want),
+                "refilled": result.stats.stage.refilled,
+                "walked": kept is not None and kept.copy == result.stats.stage.copy and not kept.fast.guards,
+            }
+            await rs.stager.release(result.staged)
+            del result
+    return out
+
+
+def test_repeated_replication_re_uses_the_layout_of_a_refilled_copy(tmp_path: Path) -> None:
+    # replicate() encodes each round; a copy the stager refilled in place re-uses the kept
+    # layout, walked not re-checked, and every replica is still the peer's exact state.
+    for result in run_group(2, kept_layout_target, str(tmp_path), timeout=90):
+        rounds = result.unwrap()
+        assert all(rounds[step]["ok"] for step in range(1, 5)), rounds
+        assert [rounds[step]["refilled"] for step in range(1, 5)] == [False, True, True, False]
+        assert [rounds[step]["walked"] for step in range(2, 4)] == [True, True]

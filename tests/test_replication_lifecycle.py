@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import astage
-from astage import ConfigurationError, ReplicationPhase, _replication, _transport
+from astage import ConfigurationError, ReplicationPhase, _transport
+from astage._format import FileLayout
 from tests.distributed import run_group
 from tests.statedicts import bytes_equal
 
@@ -137,17 +138,17 @@ def test_every_bad_argument_is_refused_at_construction_naming_it(tmp_path: Path)
 
 async def posted_nothing_target(rank: int, world: int, root: str) -> dict[str, Any]:
     storage = Path(root) / f"rank{rank}"
-    real_encode = _replication.encode
+    real_encode = FileLayout.encode
 
-    def encode_unsendable(*args: Any, **kwargs: Any) -> Any:
+    def encode_unsendable(self: FileLayout) -> Any:
         # A layout the transport refuses while planning its chunks, before it posts
         # anything: the same ConfigurationError as any argument it would refuse.
-        encoded = real_encode(*args, **kwargs)
+        encoded = real_encode(self)
         offset, data = encoded.segments[0]
         return dataclasses.replace(encoded, segments=((offset, data.view(torch.int8)), *encoded.segments[1:]))
 
     async with astage.ReplicationStager(storage_dir=storage, timeout=TIMEOUT) as rs:
-        _replication.encode = encode_unsendable
+        FileLayout.encode = encode_unsendable  # type: ignore[method-assign]
         try:
             await rs.replicate({"x": torch.arange(10.0) + rank}, step=1)
         except ConfigurationError as exc:
@@ -155,7 +156,7 @@ async def posted_nothing_target(rank: int, world: int, root: str) -> dict[str, A
         else:
             first = "no error"
         finally:
-            _replication.encode = real_encode
+            FileLayout.encode = real_encode  # type: ignore[method-assign]
         after_failure = (rs.phase, rs.broken)
         second = await rs.replicate({"x": torch.arange(10.0) + rank}, step=2)
         return {
