@@ -79,7 +79,7 @@ from ._format_spec import DTensorNote as DTensorNote
 from ._format_spec import FileHeader as FileHeader
 from ._format_spec import Segment as Segment
 from ._format_spec import Segments as Segments
-from ._gc import without_gc
+from ._gc import promote, without_gc
 from ._header_tree import _HeaderParser, _reject_constant, _TreeEncoder, _unique_keys
 from ._limits import CHUNK_BYTES
 from ._limits import INT64 as _INT64
@@ -625,7 +625,9 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> FileHeader:
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
     del text
-    return _HeaderParser(total, version, budget, tables).parse(doc)
+    header = _HeaderParser(total, version, budget, tables).parse(doc)
+    promote(len(header.plan.tensors))  # its plan lives as long as the header (astage._gc)
+    return header
 
 
 class BodyVerifier:
@@ -784,6 +786,7 @@ def decode(header: FileHeader, body: torch.Tensor) -> Any:
     starts = (header.segments.offsets + base).tolist()
     ends = (header.segments.offsets + header.segments.nbytes + base).tolist()
     storages = list(map(whole.__getitem__, map(slice, starts, ends)))
+    promote(len(storages))  # the tree lives on, as a replica or a restored state (astage._gc)
     try:
         return rebuild(header.plan, storages)
     except RuntimeError as exc:  # pragma: no cover - the header checks should make this unreachable

@@ -74,3 +74,35 @@ def test_a_collector_the_program_disabled_stays_disabled_and_nothing_is_promoted
         assert in_generation(young, 0)
     finally:
         gc.enable()
+
+
+def test_parsing_and_decoding_many_tensors_run_no_collection_and_promote_what_they_made() -> None:
+    # A received replica or a restored state lives on: its header's plan and its tree are
+    # promoted unwalked, so a full pass does not land on whichever thread allocates next.
+    import numpy as np
+    import torch
+
+    from astage._format import decode, encode, parse_prefix
+
+    state = {f"t{i}": torch.full((2,), float(i)) for i in range(2 * PROMOTE_AT)}
+    encoded = encode(state, owner_rank=0, step=0, checkpoint_id="")
+    data = bytearray(b"".join(encoded.buffers()))
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        header = parse_prefix(data)
+        body = torch.from_numpy(np.frombuffer(data, dtype=np.uint8)[header.prefix_nbytes :])
+        tree = decode(header, body)
+        after = gc.get_count()[0]
+    finally:
+        gc.callbacks.remove(seen)
+    assert collections == []
+    assert after < 50
+    assert any(o is tree for o in gc.get_objects(generation=2))
+    assert torch.equal(tree["t7"], state["t7"])
