@@ -373,3 +373,21 @@ async def heartbeat_gaps(work: Callable[[], Awaitable[object]], period: float = 
         await work()
         done.set()
     return Beats(gaps, busy, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def collections_started() -> Iterator[list[int]]:
+    """The generations of the cyclic collections that start inside the block, which
+    begins right after a full one (so no earlier allocation makes one due)."""
+    seen: list[int] = []
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(record)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(record)

@@ -25,7 +25,11 @@ import astage
 import astage._layout_cache
 from astage._format import FileLayout, lay_out
 from astage._layout_cache import LayoutCache, PendingLayout
-from tests.helpers import heartbeat_gaps, no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
+from tests.helpers import (  # noqa: F401 - autouse fixture
+    collections_started,
+    heartbeat_gaps,
+    no_blocking_calls_on_the_loop,
+)
 from tests.statedicts import assert_same_tree
 
 pytestmark = pytest.mark.anyio
@@ -260,19 +264,9 @@ async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_
     cache = LayoutCache(rank=0)
     layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
     assert isinstance(layout, FileLayout)
-    collections: list[int] = []
-
-    def seen(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(seen)
-    try:
+    with collections_started() as collections:
         await cache.keep(staged, layout, None)
         after = gc.get_count()[0]
-    finally:
-        gc.callbacks.remove(seen)
     assert collections == []
     assert after < 50
     assert cache._kept is not None

@@ -19,7 +19,7 @@ from astage import DefaultStager, StagingOptions, UnsupportedInputError
 from astage._match import iter_fast_plan, iter_match
 from astage._plan import plan_state_dict
 from astage._slices import drive
-from tests.helpers import heartbeat_gaps, run_cancelled_at
+from tests.helpers import collections_started, heartbeat_gaps, run_cancelled_at
 from tests.statedicts import assert_same_tree, bytes_equal, storage_key, tensors_of
 
 pytestmark = pytest.mark.anyio
@@ -383,20 +383,6 @@ RUN_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUN_CHANGES))
-async def test_every_change_after_a_warm_recheck_is_staged_faithfully(name: str) -> None:
-    # The second stage's full check arms the chunk guards; the change comes at the third.
-    sd = run_like()
-    async with DefaultStager() as stager:
-        for _ in range(2):
-            await stager.release(await stager.stage(sd))
-        RUN_CHANGES[name](sd)
-        staged = await stager.stage(sd)
-        assert_faithful(staged, sd)
-        await stager.release(staged)
-        assert_faithful(await stager.stage(sd), sd)
-
-
 STATE_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     **{name: _in_state(change) for name, change in TENSOR_CHANGES.items()},
     "storage becomes shared": _share_in_state,
@@ -408,16 +394,25 @@ STATE_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(STATE_CHANGES))
-async def test_every_change_in_small_dicts_after_a_warm_recheck_is_staged_faithfully(name: str) -> None:
-    # A guard spans many small dicts (one chunk of 256 tensors over 128 of them): a change
-    # in one dict must fail that chunk's check, whichever dict and chunk it lands in.
-    sd = optimizer_like()
+WARM_CHANGES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
+    **{f"run, {name}": (run_like, change) for name, change in RUN_CHANGES.items()},
+    **{f"small dicts, {name}": (optimizer_like, change) for name, change in STATE_CHANGES.items()},
+}
+"""Each change, in a container of tensors and in an optimizer's many small dicts (where one
+guarded chunk of 256 tensors spans 128 dicts)."""
+
+
+@pytest.mark.parametrize("case", list(WARM_CHANGES))
+async def test_every_change_after_a_warm_recheck_is_staged_faithfully(case: str) -> None:
+    # The second stage's full check arms the chunk guards; the change comes at the third,
+    # and must fail its chunk's check whichever container and chunk it lands in.
+    make, change = WARM_CHANGES[case]
+    sd = make()
     async with DefaultStager() as stager:
         for _ in range(2):
             await stager.release(await stager.stage(sd))
-        assert len(stager._fast.guards) == 2  # type: ignore[union-attr]  # armed: 300 tensors
-        STATE_CHANGES[name](sd)
+        assert len(stager._fast.guards) == 2  # type: ignore[union-attr]  # armed: ~300 tensors
+        change(sd)
         staged = await stager.stage(sd)
         assert_faithful(staged, sd)
         await stager.release(staged)
@@ -488,21 +483,11 @@ async def test_a_first_stage_runs_no_collection_and_leaves_its_objects_in_the_ol
     # first stage runs in one collector pause and moves what it made straight into the
     # oldest generation, walking nothing.
     sd = {f"l{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
-    collections: list[int] = []
-
-    def seen(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
     async with DefaultStager() as stager:
-        gc.collect()
-        gc.callbacks.append(seen)
-        try:
+        with collections_started() as collections:
             staged = await stager.stage(sd)
             assert gc.isenabled()
             after = gc.get_count()[0]
-        finally:
-            gc.callbacks.remove(seen)
         assert collections == [], "no collection walked the stage's objects"
         assert after < 50, "the young generation was emptied into the oldest"
         kept = {id(t) for t in tensors_of(staged)}

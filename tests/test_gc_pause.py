@@ -6,6 +6,7 @@ import gc
 import threading
 
 from astage._gc import PROMOTE_AT, gc_paused, promote
+from tests.helpers import collections_started
 
 
 class Node:
@@ -87,21 +88,11 @@ def test_parsing_and_decoding_many_tensors_run_no_collection_and_promote_what_th
     state = {f"t{i}": torch.full((2,), float(i)) for i in range(2 * PROMOTE_AT)}
     encoded = encode(state, owner_rank=0, step=0, checkpoint_id="")
     data = bytearray(b"".join(encoded.buffers()))
-    collections: list[int] = []
-
-    def seen(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.collect()
-    gc.callbacks.append(seen)
-    try:
+    with collections_started() as collections:
         header = parse_prefix(data)
         body = torch.from_numpy(np.frombuffer(data, dtype=np.uint8)[header.prefix_nbytes :])
         tree = decode(header, body)
         after = gc.get_count()[0]
-    finally:
-        gc.callbacks.remove(seen)
     assert collections == []
     assert after < 50
     assert any(o is tree for o in gc.get_objects(generation=2))
