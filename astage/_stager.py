@@ -64,7 +64,7 @@ from ._options import (
     coerce_options,
 )
 from ._plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
-from ._pool import Buffer, BufferKind, BufferPool, PoolStats
+from ._pool import Buffer, BufferKind, BufferPool, Lease, PoolStats
 from ._rebuild import Rebuilder, make_tensor, plain_tensor_mode
 from ._slices import Steps, clock, drive, iter_distinct, run_steps, slice_over, within
 from ._threads import run_sync
@@ -332,10 +332,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
         layout = self._layout
         if sources is None or fast is None or layout is None:
-            # A new structure (or the first stage): everything it makes lives as long as the
-            # plan, so it runs in one collector pause and is promoted at the end (_gc).
-            with gc_paused():
-                return await self._stage_first(state_dict, started)
+            return await self._stage_first(state_dict, started)  # a new structure
         plan = fast.plan
         spare = self._spare
         if spare is not None and fast is not None and spare.fast is fast:
@@ -350,25 +347,45 @@ class DefaultStager(anyio.abc.AsyncResource):
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
         plan first, whose buffers may be needed under the memory cap."""
         self._forget_plan()
-        source: PlannedSource = await self._run(
-            iter_plan(state_dict, strict=self._strict), makes_tensors=False
-        )
-        promote(len(source.plan.tensors))
-        layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
-        fast = await self._run(iter_fast_plan(source), makes_tensors=False)
+        # Everything planning makes lives as long as the plan: made in one collector pause
+        # and promoted at its end (astage._gc), as is the new copy in _stage_new.
+        with gc_paused():
+            planning = iter_plan(state_dict, strict=self._strict)
+            source: PlannedSource = await self._run(planning, makes_tensors=False)
+            promote(len(source.plan.tensors))
+            layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
+            fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout
-        return await self._stage_new(source.plan, layout, list(source.tensors), started)
+        return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 
     async def _stage_new(
-        self, plan: StagePlan, layout: CopyLayout, sources: list[torch.Tensor], started: float
+        self,
+        plan: StagePlan,
+        layout: CopyLayout,
+        sources: list[torch.Tensor],
+        started: float,
+        *,
+        first: bool = False,
     ) -> tuple[Any, StageStats]:
         """Stage into newly leased buffers and build a new tree over them."""
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
+        # The collector runs while this waits for buffers: a copy that only a reference cycle
+        # keeps comes back once collected.  A first stage's new copy is then made in one pause
+        # and promoted, like its plan.
         try:
             lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
         except ClosedError as exc:
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
+        with gc_paused() if first else contextlib.nullcontext():
+            if first:
+                promote(len(plan.tensors))
+            return await self._fill_new(plan, layout, sources, lease, started)
+
+    async def _fill_new(
+        self, plan: StagePlan, layout: CopyLayout, sources: list[torch.Tensor], lease: Lease, started: float
+    ) -> tuple[Any, StageStats]:
+        """Copy into a new lease and build the tree over it; hand it out."""
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
         try:

@@ -477,18 +477,19 @@ async def test_a_first_stage_keeps_few_objects_per_tensor_for_the_collector() ->
         assert len(gc.get_objects()) - before <= 4.5 * n  # 8 a tensor before this was fixed
 
 
-async def test_a_first_stage_runs_no_collection_and_leaves_its_objects_in_the_oldest_generation() -> None:
+async def test_a_first_stage_runs_no_full_pass_and_leaves_its_objects_in_the_oldest_generation() -> None:
     # Survivors of young collections count toward CPython's full-collection trigger, and a
     # full pass over a heap with torch loaded holds the loop 100-350 ms (issue 11).  So a
-    # first stage runs in one collector pause and moves what it made straight into the
-    # oldest generation, walking nothing.
+    # first stage plans, and fills its copy, in collector pauses, and moves what it made
+    # straight into the oldest generation, walking nothing.
     sd = {f"l{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
     async with DefaultStager() as stager:
         with collections_started() as collections:
             staged = await stager.stage(sd)
             assert gc.isenabled()
             after = gc.get_count()[0]
-        assert collections == [], "no collection walked the stage's objects"
+        # Young collections may run while it waits for buffers, over what is young then.
+        assert 2 not in collections, "no full collection"
         assert after < 50, "the young generation was emptied into the oldest"
         kept = {id(t) for t in tensors_of(staged)}
         assert len(kept & {id(o) for o in gc.get_objects(generation=2)}) == len(kept)
