@@ -105,11 +105,12 @@ def _storages(
     storages: list[torch.UntypedStorage] = []
     try:
         for start in range(0, len(firsts), _CHUNK):
-            storages += [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
+            chunk = [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
+            if [s.nbytes() for s in chunk] != list(nbytes[start : start + _CHUNK]):
+                return None
+            storages += chunk
             if slice_over():  # a chunk takes far less than a slice
                 yield
-        if [s.nbytes() for s in storages] != list(nbytes):
-            return None
     except Exception:  # not a tensor where one was laid out: only a walk_only match lets one by
         return None
     return tuple(storages)
