@@ -907,13 +907,15 @@ def test_a_writer_killed_at_random_points_always_leaves_a_loadable_latest(tmp_pa
                 _save_forever(tmp_path)
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0.01, 0.15))
-        if i == kills - 1:  # at least once, let a commit happen first (load can slow the child)
-            deadline = time.monotonic() + 30
-            while not _committed_markers(tmp_path) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        try:
+            time.sleep(rng.uniform(0.01, 0.15))
+            if i == kills - 1:  # at least once, let a commit happen first (load can slow the child)
+                deadline = time.monotonic() + 30
+                while not _committed_markers(tmp_path) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        finally:  # whatever fails here, no writer is left running after the test
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         seen.append(anyio.run(_check_after_crash, tmp_path))
     latest = [s for s in seen if s is not None]
     assert latest == sorted(latest), "a committed step never goes away"
