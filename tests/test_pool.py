@@ -179,11 +179,14 @@ async def test_closing_a_big_pool_gives_the_loop_its_turn_while_it_frees() -> No
     # (asyncio only: trio's worker threads keep the last call's buffers, so the pool's
     # references are not the last ones there.)
     pool = BufferPool()
-    lease = await pool.acquire([1 << 20] * 768)  # 768 MiB, written: its pages are real
+    # 40 MiB a buffer: above glibc's largest mmap threshold (32 MiB), so each is unmapped
+    # when freed, whatever earlier frees did to the threshold; written, so pages are real.
+    lease = await pool.acquire([40 << 20] * 20)
     for storage in lease.storages:
         torch.empty(0, dtype=torch.uint8).set_(storage).fill_(1)
     pool.give_back(lease)
     del lease
     beats = await heartbeat_gaps(pool.aclose)
     assert pool.stats().total_bytes == 0
-    assert max(beats.busy) < 0.01, sorted(beats.busy)[-3:]
+    assert beats.busy, "freeing 800 MiB takes some beats"
+    assert max(beats.busy) < 0.05, sorted(beats.busy)[-3:]  # one buffer: ~5-15 ms
