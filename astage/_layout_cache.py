@@ -163,6 +163,30 @@ class LayoutCache:
         )
         return await run_sync(call, limiter=limiter)
 
+    async def finish(
+        self,
+        staged: Any,
+        layout: FileLayout | PendingLayout,
+        *,
+        limiter: anyio.CapacityLimiter | None,
+        copy: int | None,
+    ) -> FileLayout:
+        """The complete layout of what :meth:`lay_out` returned for ``staged``.
+
+        A pending one gets its storages (or, if the copy changed after its release, a full
+        lay-out); one made in full is kept, with the serial ``copy`` of the staged copy, for
+        the saves to come.
+        """
+        if isinstance(layout, PendingLayout):
+            completed = await layout.complete()
+            if completed is not None:
+                return completed
+            layout = await self.lay_out_in_full(
+                staged, step=layout.layout.step, checkpoint_id=layout.layout.checkpoint_id, limiter=limiter
+            )
+        await self.keep(staged, layout, limiter, copy)
+        return layout
+
     async def keep(
         self, staged: Any, layout: FileLayout, limiter: anyio.CapacityLimiter | None, copy: int | None = None
     ) -> None:

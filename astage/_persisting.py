@@ -134,10 +134,6 @@ class Persister:
             staged = None
             raise
 
-    async def _keep(self, job: Job, layout: FileLayout) -> None:
-        copy = job.stage_stats.copy if job.stage_stats is not None else None
-        await self._layouts.keep(job.staged, layout, self._limiter, copy)
-
     async def write_and_replicate(self, job: Job) -> FileEntry:
         """Encode once, then write the local file durably while replicating, in save order.
 
@@ -148,15 +144,9 @@ class Persister:
         begin = time.perf_counter()
         layout, job.layout = job.layout, None
         assert layout is not None
-        if isinstance(layout, PendingLayout):
-            layout = await layout.complete()
-            if layout is None:  # the copy changed after its release
-                layout = await self._layouts.lay_out_in_full(
-                    job.staged, step=job.step, checkpoint_id=job.checkpoint_id, limiter=self._limiter
-                )
-                await self._keep(job, layout)
-        else:  # made in full: the caller is gone, plan its copy for the saves to come
-            await self._keep(job, layout)
+        # A layout made in full is kept now that the caller is gone, for the saves to come.
+        copy = job.stage_stats.copy if job.stage_stats is not None else None
+        layout = await self._layouts.finish(job.staged, layout, limiter=self._limiter, copy=copy)
         # Encoded and checksummed once, for the local file and (relabelled) the replica.
         # It views the staged buffers, which go back to the stager: dropped before that.
         encoded: Encoded | None = None

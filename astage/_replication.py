@@ -63,7 +63,7 @@ from ._format import (
     parse_prefix,
     verify_body,
 )
-from ._layout_cache import LayoutCache, PendingLayout
+from ._layout_cache import LayoutCache
 from ._limits import INT64
 from ._options import StagingOptions, coerce_options
 from ._persist import (
@@ -465,17 +465,14 @@ class ReplicationStager(anyio.abc.AsyncResource):
         return await run_sync(make)
 
     async def _lay_out(self, staged: Any, step: int, ckpt: str, stats: StageStats | None) -> FileLayout:
+        # Only astage's stager checks a copy whole at its release (see astage._layout_cache).
         trusted = stats is not None and stats.refilled and isinstance(self.stager, DefaultStager)
-        refilled = stats.copy if trusted and stats is not None else None
-        layouts = self._layouts
-        layout = await layouts.lay_out(staged, step=step, checkpoint_id=ckpt, limiter=None, refilled=refilled)
-        if isinstance(layout, PendingLayout):
-            completed = await layout.complete()
-            if completed is not None:
-                return completed
-            layout = await layouts.lay_out_in_full(staged, step=step, checkpoint_id=ckpt, limiter=None)
-        await layouts.keep(staged, layout, None, stats.copy if stats is not None else None)
-        return layout
+        refilled = stats.copy if stats is not None and trusted else None
+        layout = await self._layouts.lay_out(
+            staged, step=step, checkpoint_id=ckpt, limiter=None, refilled=refilled
+        )
+        copy = stats.copy if stats is not None else None
+        return await self._layouts.finish(staged, layout, limiter=None, copy=copy)
 
     async def _exchange_and_keep(
         self, encoded: Encoded, path: Path, deadline: float

@@ -910,6 +910,8 @@ def test_a_writer_killed_at_random_points_always_leaves_a_loadable_latest(tmp_pa
         try:
             time.sleep(rng.uniform(0.01, 0.15))
             if i == kills - 1:  # at least once, let a commit happen first (load can slow the child)
+                # A bounded poll of the directory: the writer is another process, with no
+                # event to wait on.
                 deadline = time.monotonic() + 30
                 while not _committed_markers(tmp_path) and time.monotonic() < deadline:
                     time.sleep(0.01)
