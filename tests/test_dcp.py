@@ -290,10 +290,16 @@ async def test_async_save_keeps_the_loop_ticking_during_the_upload(
     # A loop blocked by the upload would see one beat and one gap as long as the upload.
     assert len(gaps) >= 10, (len(gaps), upload_seconds)
     assert max(gaps) < upload_seconds / 2, (max(gaps), upload_seconds)
-    # ... and would spend that gap's time on its own thread's CPU, however loaded the
-    # machine: the upload runs in a thread of its own, so the loop only polls (measured:
-    # holds of 1-3 ms).
-    assert max(beats.busy) < 0.02, (max(beats.busy), upload_seconds)
+    # ... and would spend most of that time on its own thread's CPU, however loaded the
+    # machine. The upload runs in a thread of its own, so the loop only polls: its beats
+    # cost 0.2-2 ms of CPU. About one run in twenty shows one or two beats of 15-50 ms,
+    # all user time, while DCP's writer thread runs torch.save and collects its garbage;
+    # none of it is astage's code on the loop. So: no beat holds a quarter of the upload
+    # (the upload's work done on the loop in one go), and no more than three beats hold
+    # over 10 ms (the upload's work done on the loop a slice at a time).
+    heavy = [busy for busy in beats.busy if busy > 0.01]
+    assert max(beats.busy) < upload_seconds / 4, (max(beats.busy), upload_seconds)
+    assert len(heavy) <= 3, (heavy, upload_seconds)
     loaded = load(tmp_path, sd)
     assert torch.equal(loaded["model"]["layer.weight"], sd["model"]["layer.weight"])
 
