@@ -236,6 +236,21 @@ class _StorageSegments(Sequence[tuple[int, torch.Tensor]]):
         this object (which holds the storages) lives."""
         yield from zip(self.offsets, _storage_views(self.storages), strict=True)
 
+    def extents(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Offsets, sizes and addresses as columns (the transport's ``ByteExtents``): the
+        transport plans and packs 20,000 small storages from these without a tensor each.
+        The addresses are valid while this object (which holds the storages) lives."""
+        n = len(self.storages)
+        offsets = np.fromiter(self.offsets, np.int64, n)
+        sizes = np.fromiter(map(_nbytes, self.storages), np.int64, n)
+        addresses = np.fromiter(map(_data_ptr, self.storages), np.int64, n)
+        return offsets, sizes, addresses
+
+    def byte_tensor(self, index: int) -> torch.Tensor:
+        """Storage ``index`` as a 1-D ``uint8`` tensor (a view, no copy)."""
+        made = self._made
+        return made[index][1] if made is not None else _storage_bytes(self.storages[index])
+
 
 _memory_view: Final = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
     ("PyMemoryView_FromMemory", ctypes.pythonapi)

@@ -13,11 +13,13 @@ from datetime import timedelta
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import astage
+from astage._format import _StorageSegments
 from astage._slices import drive
 from astage._transport import (
     MAGIC,
@@ -34,6 +36,8 @@ from astage._transport import (
     send,
     send_ack,
 )
+from astage._transport._exchange import _pack
+from astage._transport._protocol import Gather
 from tests.distributed import RankResult, kill_self, run_group, stop_self
 from tests.payloads import KINDS, SMALL_CHUNK, body_of, check_received, make_payload, outcome, ring_cases
 
@@ -431,6 +435,93 @@ def test_a_plan_over_many_small_segments_covers_the_body_exactly_in_short_slices
             c.nbytes == sum(p if isinstance(p, int) else p.numel() for p in c.parts) for c in plan.chunks
         )
         assert torch.equal(got, expected)
+
+
+def _body_of_plan(plan: Any) -> torch.Tensor:
+    """The body a receiver gets: each chunk as its single part sends it, or packed."""
+    out = []
+    for chunk in plan.chunks:
+        only = chunk.parts[0] if len(chunk.parts) == 1 else None
+        if isinstance(only, torch.Tensor):
+            out.append(only.clone())
+        elif isinstance(only, int):
+            out.append(torch.zeros(only, dtype=torch.uint8))
+        else:
+            packed = torch.full((chunk.nbytes,), 0xEE, dtype=torch.uint8)  # not zeros: gaps must be
+            _pack(chunk.parts, packed)
+            out.append(packed)
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
+
+
+def test_storages_described_as_columns_travel_as_the_same_bytes_without_a_tensor_each() -> None:
+    # The replica format's segments give offsets, sizes and addresses as columns: the plan
+    # checks them in bulk and gathers small storages from raw addresses; a storage that
+    # covers a whole chunk still goes as a view of itself.  Large storages spanning chunks,
+    # empty ones, gaps and a zero tail, on several grids.
+    gen = torch.Generator().manual_seed(5)
+    sizes = [*torch.randint(1, 3000, (400,), generator=gen).tolist(), 0, 20_000, 0, 9000, 5, 70_000, 1]
+    storages, offsets, offset = [], [], 0
+    for n in sizes:
+        storage = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).untyped_storage()
+        storages.append(storage)
+        offsets.append(offset)
+        offset = -(-(offset + n) // 64) * 64 + (64 if n == 5 else 0)  # and one wider gap
+    body_nbytes = offset + 300
+    expected = torch.zeros(body_nbytes, dtype=torch.uint8)
+    for at, storage in zip(offsets, storages, strict=True):
+        expected[at : at + storage.nbytes()] = torch.empty(0, dtype=torch.uint8).set_(storage)
+    for chunk_bytes in (4096, 8192, 1 << 20):
+        columns = _StorageSegments(tuple(offsets), tuple(storages))
+        plan = drive(plan_chunks(columns, body_nbytes, chunk_bytes))
+        assert columns._made is None, "no uint8 tensor a storage"
+        kinds = {type(c.parts[0]).__name__ for c in plan.chunks}
+        assert "Gather" in kinds
+        assert chunk_bytes > 20_000 or "Tensor" in kinds  # the large ones go as views
+        assert torch.equal(_body_of_plan(plan), expected)
+        as_tensors = drive(
+            plan_chunks(list(_StorageSegments(tuple(offsets), tuple(storages))), body_nbytes, chunk_bytes)
+        )
+        assert torch.equal(_body_of_plan(as_tensors), expected)
+
+
+class _Columns:
+    """Bare columns, for the checks a column plan makes."""
+
+    def __init__(self, offsets: list[int], sizes: list[int]) -> None:
+        self.offsets, self.sizes = offsets, sizes
+        self.data = torch.zeros(max(sizes, default=0) + 1, dtype=torch.uint8)
+
+    def extents(self) -> tuple[Any, Any, Any]:
+        pointers = [self.data.data_ptr()] * len(self.sizes)
+        return np.array(self.offsets), np.array(self.sizes), np.array(pointers)
+
+    def byte_tensor(self, index: int) -> torch.Tensor:
+        return self.data[: self.sizes[index]]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "sizes", "body", "match"),
+    [
+        ([0, 5], [10, 1], 20, "segment 1 at offset 5 overlaps"),
+        ([0, 10, 9], [10, 0, 4], 20, "segment 2 at offset 9 overlaps"),
+        ([15], [10], 20, "segment 0 ends at 25, past the body's 20 bytes"),
+        ([0, -4], [1, 1], 20, "segment 1 has a negative offset or size"),
+        ([0, 4], [1, -1], 20, "segment 1 has a negative offset or size"),
+    ],
+)
+def test_bad_columns_are_refused_naming_the_segment(
+    offsets: list[int], sizes: list[int], body: int, match: str
+) -> None:
+    with pytest.raises(astage.ConfigurationError, match=match):
+        drive(plan_chunks(_Columns(offsets, sizes), body, 4096))  # type: ignore[arg-type]
+
+
+def test_columns_with_an_empty_segment_inside_a_gap_are_accepted() -> None:
+    # As with tensor segments: an empty one does not move the end the next must start from.
+    plan = drive(plan_chunks(_Columns([0, 30, 12], [10, 0, 4]), 40, 4096))  # type: ignore[arg-type]
+    (gather,) = plan.chunks[0].parts
+    assert isinstance(gather, Gather)
+    assert (gather.starts, gather.sizes, gather.gaps) == ([0, 12], [10, 4], True)
 
 
 def test_bad_payloads_and_arguments_are_refused_without_a_group() -> None:

@@ -35,6 +35,7 @@ from ._protocol import (
     Allocate,
     ChunkPlan,
     ExchangeStats,
+    Gather,
     Limits,
     OnChunk,
     OnPrefix,
@@ -234,9 +235,11 @@ async def _send(link: Link, prefix: bytes, plan: ChunkPlan) -> None:
 
     for chunk in plan.chunks:
         buffer = None
-        if len(chunk.parts) == 1:
-            part = chunk.parts[0]
-            tensor = part if isinstance(part, torch.Tensor) else torch.zeros(part, dtype=torch.uint8)
+        only = chunk.parts[0] if len(chunk.parts) == 1 else None
+        if isinstance(only, torch.Tensor):
+            tensor = only
+        elif isinstance(only, int):
+            tensor = torch.zeros(only, dtype=torch.uint8)
         else:
             while not free and allocated == _PACK_BUFFERS:
                 await retire_oldest()
@@ -257,10 +260,14 @@ async def _send(link: Link, prefix: bytes, plan: ChunkPlan) -> None:
         await retire_oldest()
 
 
-def _pack(parts: tuple[torch.Tensor | int, ...], out: torch.Tensor) -> None:
+def _pack(parts: tuple[torch.Tensor | int | Gather, ...], out: torch.Tensor) -> None:
     # One memmove per part (validated contiguous CPU uint8, kept alive by the plan), over a
     # buffer zeroed first when the chunk has gaps: ~2.5 us a part where torch.cat of views
     # costs ~8, which matters with 20,000 tiny tensors.
+    only = parts[0]
+    if isinstance(only, Gather):
+        _gather(only, out)
+        return
     if any(isinstance(p, int) for p in parts):
         out.zero_()
     at = out.data_ptr()
@@ -268,9 +275,20 @@ def _pack(parts: tuple[torch.Tensor | int, ...], out: torch.Tensor) -> None:
         if isinstance(part, int):
             at += part
         else:
+            assert isinstance(part, torch.Tensor)
             n = part.numel()
             ctypes.memmove(at, part.data_ptr(), n)
             at += n
+
+
+def _gather(gather: Gather, out: torch.Tensor) -> None:
+    # From raw addresses (checked by the plan, held by gather.keep): ~0.3 us a part.
+    if gather.gaps:
+        out.zero_()
+    base = out.data_ptr()
+    memmove = ctypes.memmove
+    for start, address, size in zip(gather.starts, gather.addresses, gather.sizes, strict=True):
+        memmove(base + start, address, size)
 
 
 async def _receive(link: Link, limits: Limits) -> None:

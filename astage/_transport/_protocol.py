@@ -1,7 +1,9 @@
 """The transport's wire format and the pure decisions about it: no I/O, no thread, no device.
 
 A replica travels as a :class:`Payload`: a small ``prefix`` blob (the format's header) and
-a logical ``body`` described by ``(offset, uint8 tensor)`` segments, gaps being zeros.  On
+a logical ``body`` described by ``(offset, uint8 tensor)`` segments, gaps being zeros (or,
+from the replica format, by :class:`ByteExtents`: offsets, sizes and addresses as columns,
+with no tensor a segment).  On
 the wire it is a preamble (``int64[PREAMBLE_WORDS]``), the prefix, then the body in
 messages on a fixed grid of ``chunk_bytes`` (:func:`plan_chunks`), each kind on its own tag,
 and an acknowledgement back (:func:`encode_ack`, :func:`decode_ack`).  Everything here is
@@ -13,8 +15,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .._errors import ConfigurationError, IntegrityError
@@ -53,6 +56,7 @@ class Payload:
     :ivar prefix: a small header blob, sent first.
     :ivar segments: ``(body_offset, tensor)`` pairs: 1-D contiguous CPU ``uint8`` tensors in
         ascending, non-overlapping offset order, inside ``body_nbytes``.  Gaps are zeros.
+        A sequence that is also a :class:`ByteExtents` is planned from its columns.
     :ivar body_nbytes: size of the logical body.
     """
 
@@ -107,16 +111,48 @@ class Received:
     stats: ExchangeStats
 
 
+@runtime_checkable
+class ByteExtents(Protocol):
+    """Segments that describe themselves as columns, so that a body of many small storages
+    is planned and packed without a tensor (and its checks, microseconds each) a segment.
+
+    The producer vouches that every extent is readable CPU memory for as long as this
+    object lives (it holds the storages); the plan still checks the offsets and sizes.
+    """
+
+    def extents(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """``(offsets, sizes, addresses)``: int64 body offsets, byte counts and data pointers."""
+        ...
+
+    def byte_tensor(self, index: int) -> torch.Tensor:
+        """Segment ``index`` as a 1-D contiguous CPU ``uint8`` tensor (for a direct send)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Gather:
+    """A chunk packed from raw addresses: ``sizes[i]`` bytes at ``addresses[i]`` go to
+    ``starts[i]`` (from the chunk's start); ``gaps`` says whether the rest must be zeroed.
+    ``keep`` holds the memory the addresses point into."""
+
+    starts: list[int]
+    addresses: list[int]
+    sizes: list[int]
+    gaps: bool
+    keep: object
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One body message: ``parts`` fill ``[offset, offset + nbytes)`` in order.
 
-    A part is a tensor (a segment or a slice of one) or an ``int``: that many zero bytes.
+    A part is a tensor (a segment or a slice of one), an ``int`` (that many zero bytes) or,
+    alone, a :class:`Gather` that packs the whole chunk from raw addresses.
     """
 
     offset: int
     nbytes: int
-    parts: tuple[torch.Tensor | int, ...]
+    parts: tuple[torch.Tensor | int | Gather, ...]
 
 
 @dataclass(frozen=True)
@@ -188,6 +224,8 @@ def plan_chunks(
     check_chunk_bytes(chunk_bytes, ConfigurationError, "chunk_bytes")
     if body_nbytes < 0:
         raise ConfigurationError(f"body_nbytes must be >= 0, got {body_nbytes}")
+    if isinstance(segments, ByteExtents):
+        return (yield from _plan_extents(segments, body_nbytes, chunk_bytes))
     starts, ends, tensors = yield from _nonempty_segments(segments, body_nbytes)
     chunks: list[Chunk] = []
     s = 0
@@ -218,6 +256,68 @@ def plan_chunks(
                 yield
         chunks.append(Chunk(start, stop - start, tuple(parts)))
     return ChunkPlan(tuple(chunks), chunk_bytes)
+
+
+def _plan_extents(extents: ByteExtents, body_nbytes: int, chunk_bytes: int) -> Steps[ChunkPlan]:
+    """:func:`plan_chunks` over columns: checked in bulk, each chunk sent straight from one
+    segment when one covers it, else gathered from raw addresses."""
+    offsets, sizes, addresses = (np.asarray(column, dtype=np.int64) for column in extents.extents())
+    _check_extents(offsets, sizes, body_nbytes)
+    held = np.flatnonzero(sizes > 0)
+    offsets, sizes, addresses = offsets[held], sizes[held], addresses[held]
+    ends = offsets + sizes
+    chunks: list[Chunk] = []
+    for start in range(0, body_nbytes, chunk_bytes):
+        stop = min(start + chunk_bytes, body_nbytes)
+        # The segments that overlap [start, stop): ends are ascending, as offsets are.
+        first = int(np.searchsorted(ends, start, side="right"))
+        last = int(np.searchsorted(offsets, stop, side="left"))
+        if last == first:
+            chunks.append(Chunk(start, stop - start, (stop - start,)))
+        elif last - first == 1 and offsets[first] <= start and ends[first] >= stop:
+            at = int(held[first])
+            skip = start - int(offsets[first])
+            view = extents.byte_tensor(at)[skip : skip + stop - start]
+            chunks.append(Chunk(start, stop - start, (view,)))
+        else:
+            lo = np.maximum(offsets[first:last], start)
+            hi = np.minimum(ends[first:last], stop)
+            moved = hi - lo
+            gather = Gather(
+                starts=(lo - start).tolist(),
+                addresses=(addresses[first:last] + (lo - offsets[first:last])).tolist(),
+                sizes=moved.tolist(),
+                gaps=int(moved.sum()) != stop - start,
+                keep=extents,
+            )
+            chunks.append(Chunk(start, stop - start, (gather,)))
+        if slice_over():
+            yield
+    return ChunkPlan(tuple(chunks), chunk_bytes)
+
+
+def _check_extents(offsets: np.ndarray[Any, Any], sizes: np.ndarray[Any, Any], body_nbytes: int) -> None:
+    """The checks of :func:`_nonempty_segments`, over whole columns."""
+    if not (offsets.ndim == sizes.ndim == 1 and len(offsets) == len(sizes)):
+        raise ConfigurationError("extents must be three 1-D columns of one length")
+    bad = np.flatnonzero((sizes < 0) | (offsets < 0))
+    if len(bad):
+        raise ConfigurationError(f"segment {int(bad[0])} has a negative offset or size")
+    # Each offset at or past the end of every non-empty segment before it.
+    ends = np.where(sizes > 0, offsets + sizes, 0)
+    before = np.maximum.accumulate(np.concatenate(([0], ends[:-1]))) if len(ends) else ends
+    bad = np.flatnonzero(offsets < before)
+    if len(bad):
+        i = int(bad[0])
+        raise ConfigurationError(
+            f"segment {i} at offset {int(offsets[i])} overlaps or precedes the one before it"
+        )
+    bad = np.flatnonzero(offsets + sizes > body_nbytes)
+    if len(bad):
+        i = int(bad[0])
+        raise ConfigurationError(
+            f"segment {i} ends at {int(offsets[i] + sizes[i])}, past the body's {body_nbytes} bytes"
+        )
 
 
 _CLOCK_EVERY = 63
