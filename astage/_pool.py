@@ -38,7 +38,7 @@ import torch
 
 from ._errors import CapacityError, ClosedError, ConfigurationError
 from ._options import check_bool, check_positive_int, check_type
-from ._slices import SLICE_SECONDS, Steps, clock, drive, slice_over
+from ._slices import SLICE_SECONDS, Steps, clock, drive, give_turn, slice_over
 from ._threads import run_sync
 
 log = logging.getLogger("astage.pool")
@@ -561,5 +561,5 @@ async def _drop_by_slices(buffers: list[Buffer]) -> None:
     while buffers:
         buffers.pop()
         if clock() > deadline:
-            await anyio.lowlevel.checkpoint()
+            await give_turn()
             deadline = clock() + SLICE_SECONDS
