@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from astage import CapacityError, ClosedError
-from astage._pool import BufferKind, BufferPool
+from astage._pool import BufferKind, BufferPool, Lease
 from tests.helpers import heartbeat_gaps
 
 pytestmark = pytest.mark.anyio
@@ -86,13 +86,12 @@ async def test_new_buffers_are_resident_before_any_copy() -> None:
 async def test_waiters_are_served_first_in_first_out() -> None:
     pool = BufferPool(max_bytes=100)
     first = await pool.acquire([60, 40])  # later leases reuse these: no allocation awaits
-    order: list[int] = []
+    granted: list[int] = []
+    leases: dict[int, Lease] = {}
 
     async def waiter(i: int) -> None:
-        lease = await pool.acquire([60 if i % 2 else 40])
-        order.append(i)
-        await anyio.lowlevel.checkpoint()  # hold the lease while the others get a turn
-        pool.give_back(lease)
+        leases[i] = await pool.acquire([60 if i % 2 else 40])
+        granted.append(i)
 
     async with anyio.create_task_group() as tg:
         for i in range(6):
@@ -100,9 +99,16 @@ async def test_waiters_are_served_first_in_first_out() -> None:
             await anyio.wait_all_tasks_blocked()  # waiter i is queued before i + 1 starts
         assert pool.stats().waiters == 6
         pool.give_back(first)
-    # Waiters are granted in queue order, two at a time here (40 + 60 fill the cap); trio
-    # resumes tasks woken together in an arbitrary order, so only each pair's set is fixed.
-    assert [set(order[k : k + 2]) for k in (0, 2, 4)] == [{0, 1}, {2, 3}, {4, 5}], order
+        # Granted in queue order, two at a time (40 + 60 fill the cap).  Each pair holds its
+        # leases until the test gives them back: the order in which trio resumes tasks woken
+        # together is arbitrary, so a waiter that gave back on its own could let the next
+        # pair in before its partner had recorded its grant.
+        for pair in ({0, 1}, {2, 3}, {4, 5}):
+            await anyio.wait_all_tasks_blocked()
+            assert set(granted) == pair, granted
+            granted.clear()
+            for i in sorted(pair):
+                pool.give_back(leases.pop(i))
     assert pool.stats().total_bytes <= 100
 
 
