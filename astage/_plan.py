@@ -31,6 +31,7 @@ import decimal
 import enum
 import fractions
 import io
+import operator
 import pathlib
 import socket
 import sys
@@ -44,6 +45,8 @@ import torch
 
 from ._errors import Attr, KeyPath, UnsupportedInputError
 from ._slices import Steps, drive, slice_over
+
+_first = operator.itemgetter(0)
 
 
 def dtensor_class() -> type | None:
@@ -353,12 +356,12 @@ class _Planner:
         # to the loop, and another task may change the container meanwhile (issue 9).
         if isinstance(x, dict):
             pairs = tuple(x.items())
-            for k, _ in pairs:
-                if isinstance(k, torch.Tensor):
-                    raise UnsupportedInputError(path, "tensors cannot be dict keys in a state_dict")
+            # At C speed, by distinct key type: a Python loop over 20,000 keys held the loop ~2 ms.
+            keys = tuple(map(_first, pairs))
+            if any(issubclass(t, torch.Tensor) for t in set(map(type, keys))):
+                raise UnsupportedInputError(path, "tensors cannot be dict keys in a state_dict")
             values = yield from self._items(pairs, path)
             attrs = () if cls is dict else (yield from self._attrs(x, path))
-            keys = tuple(k for k, _ in pairs)
             return DictNode(self._memo(x), keys, values, None if cls is dict else x, attrs)
         if isinstance(x, (list, tuple)):
             items = yield from self._items(enumerate(tuple(x)), path)

@@ -49,8 +49,9 @@ RECLAIM_POLL_SECONDS = 0.02
 ALLOC_BATCH_BYTES = 64 << 20
 """Bytes allocated and pre-faulted per worker-thread call (bounds cancellation latency)."""
 
-_HAND_OUT_CHUNK = 2048
-"""Buffers handed out between two looks at the clock."""
+_HAND_OUT_CHUNK = 256
+"""Buffers handed out between two looks at the clock (~1.2 us a buffer: 2,048 held the
+loop 2.5 ms)."""
 
 ALLOC_BATCH_COUNT = 256
 """Storages allocated per worker-thread call.  Allocating many small ones is Python that
