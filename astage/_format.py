@@ -251,6 +251,11 @@ class _StorageSegments(Sequence[tuple[int, torch.Tensor]]):
         made = self._made
         return made[index][1] if made is not None else _storage_bytes(self.storages[index])
 
+    def extent(self, index: int) -> tuple[int, int]:
+        """Storage ``index``'s address and size now."""
+        storage = self.storages[index]
+        return _data_ptr(storage), _nbytes(storage)
+
 
 _memory_view: Final = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
     ("PyMemoryView_FromMemory", ctypes.pythonapi)

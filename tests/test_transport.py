@@ -484,6 +484,19 @@ def test_storages_described_as_columns_travel_as_the_same_bytes_without_a_tensor
         assert torch.equal(_body_of_plan(as_tensors), expected)
 
 
+def test_a_storage_resized_after_planning_is_refused_before_its_old_memory_is_read() -> None:
+    # Columns carry addresses taken when the plan was made.  A staged storage must not
+    # change while it is sent; one resized meanwhile has moved (its old memory may be
+    # unmapped), so the packer reads every address again and refuses, naming the segment.
+    storages = [torch.full((n,), i, dtype=torch.uint8).untyped_storage() for i, n in enumerate([40, 70, 30])]
+    offsets = (0, 64, 192)
+    plan = drive(plan_chunks(_StorageSegments(offsets, tuple(storages)), 256, 4096))
+    assert isinstance(plan.chunks[0].parts[0], Gather)
+    storages[1].resize_(1 << 20)
+    with pytest.raises(astage.ConfigurationError, match="segment 1 changed between planning and sending"):
+        _pack(plan.chunks[0].parts, torch.empty(256, dtype=torch.uint8))
+
+
 class _Columns:
     """Bare columns, for the checks a column plan makes."""
 
@@ -497,6 +510,9 @@ class _Columns:
 
     def byte_tensor(self, index: int) -> torch.Tensor:
         return self.data[: self.sizes[index]]
+
+    def extent(self, index: int) -> tuple[int, int]:
+        return self.data.data_ptr(), self.sizes[index]
 
 
 @pytest.mark.parametrize(

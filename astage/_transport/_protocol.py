@@ -128,18 +128,30 @@ class ByteExtents(Protocol):
         """Segment ``index`` as a 1-D contiguous CPU ``uint8`` tensor (for a direct send)."""
         ...
 
+    def extent(self, index: int) -> tuple[int, int]:
+        """Segment ``index``'s address and size now (checked again just before it is read)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Gather:
     """A chunk packed from raw addresses: ``sizes[i]`` bytes at ``addresses[i]`` go to
     ``starts[i]`` (from the chunk's start); ``gaps`` says whether the rest must be zeroed.
-    ``keep`` holds the memory the addresses point into."""
+
+    Part ``i`` lies in segment ``segments[i]`` of ``source``, planned at address
+    ``bases[i]`` with ``extents[i]`` bytes: the packer checks that it still is before it
+    reads (a storage resized meanwhile has moved; its old memory may be gone).  ``source``
+    holds the memory the addresses point into.
+    """
 
     starts: list[int]
     addresses: list[int]
     sizes: list[int]
     gaps: bool
-    keep: object
+    source: ByteExtents
+    segments: list[int]
+    bases: list[int]
+    extents: list[int]
 
 
 @dataclass(frozen=True)
@@ -288,7 +300,10 @@ def _plan_extents(extents: ByteExtents, body_nbytes: int, chunk_bytes: int) -> S
                 addresses=(addresses[first:last] + (lo - offsets[first:last])).tolist(),
                 sizes=moved.tolist(),
                 gaps=int(moved.sum()) != stop - start,
-                keep=extents,
+                source=extents,
+                segments=held[first:last].tolist(),
+                bases=addresses[first:last].tolist(),
+                extents=sizes[first:last].tolist(),
             )
             chunks.append(Chunk(start, stop - start, (gather,)))
         if slice_over():
