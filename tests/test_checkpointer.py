@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import select
 import signal
 import sys
 import threading
@@ -856,10 +857,17 @@ def crash_state(step: int) -> dict[str, Any]:
     return model_state(step, 512 << 10)
 
 
-def _save_forever(directory: Path) -> None:
+def _save_forever(directory: Path, committed: int | None = None) -> None:
+    """Save step after step; with ``committed`` (a pipe's write end), tell the parent there
+    once the first save has committed."""
+
     async def main() -> None:
         async with astage.Checkpointer(directory, keep=2, max_in_flight=2) as ckpt:
             step = (ckpt.latest() or 0) + 1
+            if committed is not None:
+                await (await ckpt.save(step, crash_state(step))).wait()
+                os.write(committed, b"c")
+                step += 1
             while True:
                 await ckpt.save(step, crash_state(step))
                 step += 1
@@ -884,40 +892,33 @@ async def _check_after_crash(directory: Path) -> int | None:
     return latest
 
 
-def _committed_markers(root: Path) -> list[Path]:
-    """The commit markers under ``root`` now; the writer's retention may remove a step
-    directory between the listing and its scan (found flaky in CI): none there then."""
-    try:
-        return list(root.glob("step_*/*.COMMITTED"))
-    except FileNotFoundError:
-        return []
-
-
 def test_a_writer_killed_at_random_points_always_leaves_a_loadable_latest(tmp_path: Path) -> None:
     rng = random.Random(2024)
     kills = 10 * int(os.environ.get("ASTAGE_SOAK_SCALE", "1"))
     seen: list[int | None] = []
     for i in range(kills):
+        last = i == kills - 1  # at least once, let a commit happen first (load can slow the child)
+        told, tell = os.pipe()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads, 3.12+
             pid = os.fork()
         if pid == 0:  # pragma: no cover - the child never returns into pytest
             try:
+                os.close(told)
                 torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork
-                _save_forever(tmp_path)
+                _save_forever(tmp_path, tell if last else None)
             finally:
                 os._exit(0)
+        os.close(tell)
         try:
-            time.sleep(rng.uniform(0.01, 0.15))
-            if i == kills - 1:  # at least once, let a commit happen first (load can slow the child)
-                # A bounded poll of the directory: the writer is another process, with no
-                # event to wait on.
-                deadline = time.monotonic() + 30
-                while not _committed_markers(tmp_path) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+            time.sleep(rng.uniform(0.01, 0.15))  # a random point of the writer's work to kill it at
+            if last:
+                ready, _, _ = select.select([told], [], [], 30)  # the child's word: committed
+                assert ready, "the writer committed nothing in 30 s"
         finally:  # whatever fails here, no writer is left running after the test
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+            os.close(told)
         seen.append(anyio.run(_check_after_crash, tmp_path))
     latest = [s for s in seen if s is not None]
     assert latest == sorted(latest), "a committed step never goes away"
