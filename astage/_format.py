@@ -240,11 +240,8 @@ class _StorageSegments(Sequence[tuple[int, torch.Tensor]]):
         """Offsets, sizes and addresses as columns (the transport's ``ByteExtents``): the
         transport plans and packs 20,000 small storages from these without a tensor each.
         The addresses are valid while this object (which holds the storages) lives."""
-        n = len(self.storages)
-        offsets = np.fromiter(self.offsets, np.int64, n)
-        sizes = np.fromiter(map(_nbytes, self.storages), np.int64, n)
-        addresses = np.fromiter(map(_data_ptr, self.storages), np.int64, n)
-        return offsets, sizes, addresses
+        addresses, sizes = _storage_columns(self.storages)
+        return np.fromiter(self.offsets, np.int64, len(self.offsets)), sizes, addresses
 
     def byte_tensor(self, index: int) -> torch.Tensor:
         """Storage ``index`` as a 1-D ``uint8`` tensor (a view, no copy)."""
@@ -266,6 +263,16 @@ _data_ptr: Final = torch.UntypedStorage.data_ptr
 _nbytes: Final = torch.UntypedStorage.nbytes
 
 
+_Column = np.ndarray[Any, Any]
+
+
+def _storage_columns(storages: Sequence[torch.UntypedStorage]) -> tuple[_Column, _Column]:
+    """Each storage's data pointer and size in bytes, as int64 columns."""
+    count = len(storages)
+    pointers = np.fromiter(map(_data_ptr, storages), np.int64, count)
+    return pointers, np.fromiter(map(_nbytes, storages), np.int64, count)
+
+
 def _storage_views(storages: Sequence[torch.UntypedStorage]) -> Iterator[memoryview]:
     """Read-only memoryviews of the storages' bytes, made as they are taken, which do not
     hold the storages: the caller does, for as long as the views are used.
@@ -275,8 +282,7 @@ def _storage_views(storages: Sequence[torch.UntypedStorage]) -> Iterator[memoryv
     20,000 small ones, and a tensor or numpy view costs more (a ctypes array also leaves
     cyclic garbage).  Only the storages' own bytes are ever sliced out of that range.
     """
-    pointers = np.fromiter(map(_data_ptr, storages), np.uint64, len(storages))
-    sizes = np.fromiter(map(_nbytes, storages), np.uint64, len(storages))
+    pointers, sizes = (column.astype(np.uint64) for column in _storage_columns(storages))
     held = pointers[sizes > 0]  # an empty storage's pointer may be null
     if not len(held):
         return itertools.repeat(_EMPTY, len(storages))

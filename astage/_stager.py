@@ -335,7 +335,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             return await self._stage_first(state_dict, started)  # a new structure
         plan = fast.plan
         spare = self._spare
-        if spare is not None and fast is not None and spare.fast is fast:
+        if spare is not None and spare.fast is fast:
             # No local may keep the copy alive past a failed refill (the pool takes its
             # buffers back once nothing references them): _refill takes it from self.
             del spare
