@@ -17,9 +17,11 @@ caller's compute stream, and completion is an event the caller awaits from the l
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import os
 import threading
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 import anyio
 import torch
@@ -69,6 +71,40 @@ MAX_BATCH_PAIRS = 2048
 """Most pairs in one batch: the worker holds the GIL while torch reads a batch's tensor
 lists (~0.1 us a tensor), so this bounds how long one batch can keep the loop waiting."""
 
+PAIR_COST_BYTES: Final = 8 << 10
+"""What copying one pair costs beside its bytes (torch's dispatch, ~0.85 us), counted in
+bytes of copying at ~10 GB/s: a batch's cost is its bytes plus this a pair."""
+
+LANE_MIN_COST: Final = 4 << 20
+"""Each lane (worker thread) of a copy gets at least this much cost: starting a thread
+call costs ~0.1 ms, and a copy of a few MiB is over in about as long."""
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def copy_lanes(threads: int) -> int:
+    """How many worker threads one host copy uses at once: up to ``threads``, and one core
+    fewer than the process may use, left to the event loop.
+
+    Measured on 2 cores, a second lane took ``skip_unchanged``'s LoRA stage to 0.79x and
+    ``small-20k``'s steady stage to 0.96x, but the loop then had no core of its own: its
+    lag p99 went from ~1.1 to ~2.5 ms and its max from ~4 to ~8 ms (``docs/performance.md``).
+    """
+    return max(1, min(threads, usable_cores() - 1))
+
+
+class CopyWork(NamedTuple):
+    """The batches of one copy and the cost of each (bytes plus :data:`PAIR_COST_BYTES` a pair)."""
+
+    batches: list[Batch]
+    costs: list[int]
+
 
 def iter_covering(plan: StagePlan, sources: Sequence[torch.Tensor]) -> Steps[list[int | None]]:
     """For each planned storage, the tensor that covers it whole (copied as itself), or ``None``.
@@ -106,6 +142,10 @@ class CopyLayout:
     device: tuple[tuple[int, ...], ...]
     host_other: tuple[int, ...]
     device_other: tuple[int, ...]
+    host_bytes: tuple[int, ...] = ()
+    """Bytes of each ``host`` batch (its cost, with its pairs: :class:`CopyWork`)."""
+    device_bytes: tuple[int, ...] = ()
+    """Bytes of each ``device`` batch."""
 
 
 def iter_copy_layout(
@@ -114,6 +154,7 @@ def iter_copy_layout(
     """Group the plan's storages into batches of at most ``chunk_bytes`` and :data:`MAX_BATCH_PAIRS`."""
     cover = yield from iter_covering(plan, sources)
     out: dict[bool, tuple[list[tuple[int, ...]], list[int]]] = {True: ([], []), False: ([], [])}
+    sizes: dict[bool, list[int]] = {True: [], False: []}
     current: dict[bool, tuple[list[int], list[int]]] = {True: ([], [0]), False: ([], [0])}
     for s, storage_spec in enumerate(plan.storages):
         n = storage_spec.nbytes
@@ -128,6 +169,7 @@ def iter_copy_layout(
         idx, size = current[on_host]
         if idx and (size[0] + n > chunk_bytes or len(idx) >= MAX_BATCH_PAIRS):
             batches.append(tuple(idx))
+            sizes[on_host].append(size[0])
             idx.clear()
             size[0] = 0
         idx.append(c)
@@ -137,8 +179,15 @@ def iter_copy_layout(
     for on_host in (True, False):
         if current[on_host][0]:
             out[on_host][0].append(tuple(current[on_host][0]))
+            sizes[on_host].append(current[on_host][1][0])
     return CopyLayout(
-        tuple(cover), tuple(out[True][0]), tuple(out[False][0]), tuple(out[True][1]), tuple(out[False][1])
+        tuple(cover),
+        tuple(out[True][0]),
+        tuple(out[False][0]),
+        tuple(out[True][1]),
+        tuple(out[False][1]),
+        tuple(sizes[True]),
+        tuple(sizes[False]),
     )
 
 
@@ -153,21 +202,28 @@ def iter_batches(
     on_host: bool,
     skip: Collection[int] = (),
     chunk_bytes: int = CHUNK_BYTES,
-) -> Steps[list[Batch]]:
-    """The batches that copy every planned storage on the host (or on a device), in time slices.
+) -> Steps[CopyWork]:
+    """The batches that copy every planned storage on the host (or on a device), and their
+    costs, in time slices.
 
     ``dst[i]``/``src[i]`` are the staged and source tensor of ``plan.tensors[i]``;
     ``*_storage(s)`` give the storages of ``plan.storages[s]`` (asked only for storages
     copied through byte views).  Storages in ``skip`` are not copied.
     """
     out: list[Batch] = []
-    tensors = plan.tensors
-    for idx in layout.host if on_host else layout.device:
+    costs: list[int] = []
+    tensors, storages = plan.tensors, plan.storages
+    batch_bytes = layout.host_bytes if on_host else layout.device_bytes
+    for idx, nbytes in zip(layout.host if on_host else layout.device, batch_bytes, strict=True):
         if skip:
-            idx = tuple(i for i in idx if tensors[i].storage not in skip)
-            if not idx:
+            kept = tuple(i for i in idx if tensors[i].storage not in skip)
+            if not kept:
                 continue
+            if len(kept) != len(idx):
+                nbytes = sum(storages[tensors[i].storage].nbytes for i in kept)
+            idx = kept
         out.append(([dst[i] for i in idx], [src[i] for i in idx]))
+        costs.append(nbytes + len(idx) * PAIR_COST_BYTES)
         if slice_over():
             yield
     cover = layout.cover
@@ -180,11 +236,36 @@ def iter_batches(
         if nbytes > chunk_bytes:
             d, sr = d.reshape(-1), sr.reshape(-1)
             step = max(1, chunk_bytes // d.element_size())
-            out.extend(([d[i : i + step]], [sr[i : i + step]]) for i in range(0, d.numel(), step))
+            for i in range(0, d.numel(), step):
+                out.append(([d[i : i + step]], [sr[i : i + step]]))
+                costs.append(min(step, d.numel() - i) * d.element_size() + PAIR_COST_BYTES)
         else:
             out.append(([d], [sr]))
+            costs.append(nbytes + PAIR_COST_BYTES)
         if slice_over():
             yield
+    return CopyWork(out, costs)
+
+
+def deal_lanes(work: CopyWork, lanes: int) -> list[list[Batch]]:
+    """The batches of ``work`` dealt to at most ``lanes`` worker threads that copy at once.
+
+    Costliest first, each to the lane with the least cost so far, and no lane with less
+    than :data:`LANE_MIN_COST`: a copy of many small storages costs a dispatch a pair
+    (~0.85 us), which one thread cannot beat, so a second core halves it.  Large storages
+    gain less (torch already spreads one large ``copy_`` over its own threads), but cost
+    no more: memory bandwidth is shared either way.
+    """
+    batches, costs = work
+    lanes = min(lanes, len(batches), max(1, sum(costs) // LANE_MIN_COST))
+    if lanes <= 1:
+        return [batches]
+    loads = [(0, k) for k in range(lanes)]
+    out: list[list[Batch]] = [[] for _ in range(lanes)]
+    for i in sorted(range(len(batches)), key=costs.__getitem__, reverse=True):
+        load, k = heapq.heappop(loads)
+        out[k].append(batches[i])
+        heapq.heappush(loads, (load + costs[i], k))
     return out
 
 
@@ -198,29 +279,67 @@ def run_batch(batch: Batch, non_blocking: bool = False) -> None:
             torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
-async def copy_in_threads(plan_batches: Sequence[Batch], limiter: anyio.CapacityLimiter | None) -> None:
-    """Run every batch, in order, in one worker-thread call.
+async def copy_in_threads(work: CopyWork, limiter: anyio.CapacityLimiter | None, lanes: int = 1) -> None:
+    """Run every batch in worker threads: one call a lane, up to ``lanes`` at once (:func:`deal_lanes`).
 
-    One call rather than one per batch: a hand-off per 16 MiB left the copy idle between
-    batches (~15 % of a 1.5 GB stage).  On cancellation the thread is told to stop after
-    the batch it is copying, and this waits for that (a few ms) before the cancellation
-    propagates, so no thread writes into a buffer after this returns.  The batches travel
-    in a :class:`~astage._threads.Call` box, so an idle worker thread pins no buffer.
+    One call a lane rather than one a batch: a hand-off per 16 MiB left the copy idle
+    between batches (~15 % of a 1.5 GB stage).  On cancellation, or when a lane's copy
+    fails, every thread is told to stop after the batch it is copying, and this waits for
+    them (a few ms) before the cancellation or the error propagates, so no thread writes
+    into a buffer after this returns.  A lane's error is raised as it is, not in a group.
     """
-    stop, done = threading.Event(), threading.Event()
+    dealt = deal_lanes(work, lanes)
+    del work
+    stop = threading.Event()
+    if len(dealt) == 1:
+        await _copy_lane(dealt.pop(), limiter, stop)
+        return
+    errors: list[Exception] = []
+
+    async def lane(box: list[list[Batch]]) -> None:
+        # The batches come in a box that this frame empties: a lane cancelled before its
+        # thread started would keep them (views of the buffers) in its traceback's frames.
+        try:
+            await _copy_lane(box.pop(), limiter, stop)
+        except Exception as exc:  # the others stop after their batch; raised below
+            errors.append(exc)
+
+    async with anyio.create_task_group() as group:
+        while dealt:
+            group.start_soon(lane, [dealt.pop()])
+    if errors:
+        try:
+            raise errors[0]
+        finally:
+            errors.clear()
+
+
+async def _copy_lane(
+    batches: list[Batch], limiter: anyio.CapacityLimiter | None, stop: threading.Event
+) -> None:
+    """One worker-thread call that runs ``batches`` in order until ``stop`` is set.
+
+    The batches travel in a :class:`~astage._threads.Call` box, so an idle worker thread
+    pins no buffer.
+    """
+    done = threading.Event()
 
     def work(batches: list[Batch]) -> None:
         batches.reverse()
         try:
             while batches and not stop.is_set():
                 run_batch(batches.pop())
+        except BaseException:
+            stop.set()
+            raise
         finally:
             # Before done is set: a waiter resumes then and hands the buffers back, while
             # this thread may not run again for a while (see astage._threads).
             batches.clear()
             done.set()
 
-    call = Call(work, list(plan_batches))
+    call = Call(work, batches)
+    del batches
     try:
         await anyio.to_thread.run_sync(call.run, limiter=limiter, abandon_on_cancel=True)
     except BaseException:

@@ -43,9 +43,10 @@ import torch
 
 from ._compat import refuse_torch_caller
 from ._copy import (
-    Batch,
     CopyLayout,
+    CopyWork,
     copy_in_threads,
+    copy_lanes,
     enqueue_device_copies,
     iter_batches,
     iter_copy_layout,
@@ -164,7 +165,9 @@ class DefaultStager(anyio.abc.AsyncResource):
     :param options: staging switches and memory cap; defaults work on every machine.  A
         torch ``StagingOptions`` is accepted too (its four switches map one to one).
     :param config: the same as ``options``, under torch's ``DefaultStager`` keyword.
-    :param threads: worker threads for CPU copies and buffer allocation.
+    :param threads: worker threads for CPU copies and buffer allocation; a copy of many
+        storages runs in up to this many at once where the machine has a core to spare
+        beyond the event loop's.
     :param event_strategy: how device events are awaited (``"poll"`` or ``"thread"``).
     :raises ConfigurationError: an argument has the wrong type or value, or an option
         cannot work on this machine.
@@ -190,6 +193,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._resolved: ResolvedOptions = self.options.resolve()
         r = self._resolved
         self._threads = threads
+        self._lanes = copy_lanes(threads)
         self._limiter: anyio.CapacityLimiter | None = None
         self._event_strategy: Strategy = event_strategy
         self._strict = _strict
@@ -511,18 +515,19 @@ class DefaultStager(anyio.abc.AsyncResource):
         }
         return set(range(len(spare.fast.plan.storages))) - changed
 
-    async def _copy_from_host(self, plan_batches: Sequence[Batch]) -> None:
+    async def _copy_from_host(self, work: CopyWork) -> None:
         if self._resolved.async_copy:
-            await copy_in_threads(plan_batches, self._limiter)
+            await copy_in_threads(work, self._limiter, lanes=self._lanes)
         else:
-            for batch in plan_batches:
+            for batch in work.batches:
                 run_batch(batch)
 
-    async def _copy_from_device(self, plan_batches: Sequence[Batch]) -> None:
+    async def _copy_from_device(self, work: CopyWork) -> None:
         side = self._side_stream
         if side is None:  # blocking device copies, off the loop unless staging is inline
-            await self._copy_from_host(plan_batches)
+            await self._copy_from_host(work)
             return
+        plan_batches = work.batches
         compute = torch.accelerator.current_stream()  # the caller's stream, on the loop thread
         try:
             if self._resolved.async_copy:

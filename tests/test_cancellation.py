@@ -162,9 +162,15 @@ async def check_pool(stager: astage.DefaultStager, state: Sweep) -> None:
 
 
 @pytest.mark.anyio
-async def test_stage_cancelled_at_every_await_point() -> None:
+@pytest.mark.parametrize("lanes", [1, 2])
+async def test_stage_cancelled_at_every_await_point(lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two lanes: the copy runs in two worker threads at once (astage._copy.copy_lanes), as
+    # on a machine with a core to spare; a lane cancelled before its thread started kept
+    # its batches, views of the buffers, alive in its frame.
+    monkeypatch.setattr(astage._copy, "usable_cores", lambda: lanes + 1)
     sd = big_state(1)
-    async with astage.DefaultStager() as stager:
+    async with astage.DefaultStager(threads=2) as stager:
+        assert stager._lanes == lanes
         fds = Descriptors()
 
         async def after(state: Sweep) -> None:
