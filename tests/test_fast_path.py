@@ -305,6 +305,33 @@ async def test_every_change_between_stages_is_staged_faithfully(name: str, relea
         assert_faithful(third, sd)
 
 
+@pytest.mark.parametrize("released", [True, False], ids=["released", "held"])
+@pytest.mark.parametrize("guarded", [False, True], ids=["first-recheck", "guarded"])
+async def test_two_views_of_one_storage_that_become_one_object_are_one_staged_tensor(
+    released: bool, guarded: bool
+) -> None:
+    # Two tensor objects with the same storage and metadata pass every per-tensor check as
+    # one object at both places: only the identity check can tell, and the staged tree
+    # must then hold one tensor there too (and two again after they part).
+    base = torch.randn(300)
+    sd = {"layer": {f"w{i}": torch.randn(3) for i in range(299)}, "a": base, "b": base.detach()}
+    async with DefaultStager() as stager:
+        for step in range(3 if guarded else 1):  # each re-check of a chunk that passed arms its guard
+            staged = await stager.stage(sd)
+            if released or step < 2:
+                await stager.release(staged)
+        sd["b"] = sd["a"]
+        staged = await stager.stage(sd)
+        assert staged["a"] is staged["b"]
+        assert_faithful(staged, sd)
+        if released:
+            await stager.release(staged)
+        sd["b"] = sd["a"].detach()
+        staged = await stager.stage(sd)
+        assert staged["a"] is not staged["b"]
+        assert_faithful(staged, sd)
+
+
 def run_like() -> dict[str, Any]:
     """A state_dict whose containers hold only tensors: what the re-check's guarded chunks serve."""
     layer = {f"w{i}": torch.randn(2, 3) for i in range(300)}
