@@ -56,6 +56,7 @@ from ._plan import (
     TensorKind,
     TensorNode,
     TensorSpec,
+    tensor_nodes,
 )
 from ._tensor_table import (
     _check_tensor_table,
@@ -683,9 +684,9 @@ class _HeaderParser:
         paths = self.paths
         if consecutive:
             paths[first : last + 1] = children
-        else:
-            for index, child in zip(indices, children, strict=True):
-                paths[index] = child
+            return tensor_nodes(first, last + 1)
+        for index, child in zip(indices, children, strict=True):
+            paths[index] = child
         return tuple(map(_new_tuple, repeat(TensorNode), zip(indices)))
 
     def claim(self, indices: tuple[int, ...], consecutive: bool) -> bool:

@@ -39,7 +39,7 @@ import threading
 import types
 import weakref
 from collections.abc import Iterable
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, Final, NamedTuple, NoReturn, cast
 
 import torch
 
@@ -179,6 +179,27 @@ class TensorNode(NamedTuple):
     """A tensor leaf: position in :attr:`StagePlan.tensors`."""
 
     position: int
+
+
+SHARED_TENSOR_NODES: Final = 1 << 17
+"""Positions below this have one :class:`TensorNode` each, shared by every plan (~10 MiB at
+most, made as plans need them)."""
+_tensor_nodes: tuple[TensorNode, ...] = ()
+
+
+def tensor_nodes(first: int, end: int) -> tuple[TensorNode, ...]:
+    """``TensorNode(first)`` to ``TensorNode(end - 1)``, shared between plans where ``end``
+    is at most :data:`SHARED_TENSOR_NODES`: a slice, where a parse of 20,000 tensors made
+    a node and its int a tensor (~2 ms).  Nodes are immutable, so sharing them is safe."""
+    global _tensor_nodes
+    if end > SHARED_TENSOR_NODES:
+        return tuple(map(TensorNode._make, zip(range(first, end))))
+    known = _tensor_nodes
+    if end > len(known):  # grown to the next power of two, at least 4,096
+        size = min(SHARED_TENSOR_NODES, max(4096, 1 << (end - 1).bit_length()))
+        known = known + tuple(map(TensorNode._make, zip(range(len(known), size))))
+        _tensor_nodes = known
+    return known[first:end]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

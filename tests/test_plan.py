@@ -125,3 +125,16 @@ def test_conjugate_and_negative_views_keep_their_values() -> None:
     out = copy_via_plan({"conj": z.conj(), "neg": torch._neg_view(torch.randn(3)), "z": z})
     assert torch.equal(out["conj"], z.conj())  # type: ignore[index]
     assert out["conj"].is_conj()  # type: ignore[index]
+
+
+def test_tensor_nodes_are_shared_between_plans_and_right_past_the_shared_range() -> None:
+    from astage._plan import SHARED_TENSOR_NODES, TensorNode, tensor_nodes
+
+    nodes = tensor_nodes(5, 9000)
+    assert nodes == tuple(TensorNode(i) for i in range(5, 9000))
+    assert tensor_nodes(100, 200)[0] is nodes[95]  # one object a position
+    end = SHARED_TENSOR_NODES + 3
+    assert tensor_nodes(SHARED_TENSOR_NODES - 2, end) == tuple(
+        TensorNode(i) for i in range(SHARED_TENSOR_NODES - 2, end)
+    )
+    assert tensor_nodes(7, 7) == ()
