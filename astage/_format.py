@@ -6,14 +6,16 @@ rank, is one such file)::
     MAGIC (8) | version u32 LE | header_len u64 LE | header (header_len bytes)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
 
-    header (version 3) = counts u64[4] | tensor table | dims int64[] | storage table
-                         | JSON tree (ASCII, padded with spaces where needed)
+    header (versions 3, 4) = counts u64[4] | tensor table | dims int64[] | storage table
+                             | JSON tree (ASCII, padded with spaces where needed)
 
 The body holds each distinct storage's raw bytes once, in plan order, each segment starting
 at the first 64-byte boundary after the previous one, gaps zero, nothing after the last.
 The header says how to view those storages as tensors (a binary table of fixed-size
 records, one per tensor and one per storage) and how to rebuild the tree (JSON that refers
-to tensors by index).  Versions 1 and 2 kept the tables in the JSON; they are still read.
+to tensors by index; from version 4 a dict of tensors met there first, in a row, names only
+the first).  Versions 1 and 2 kept the tables in the JSON, version 3 wrote no tensor runs;
+they are all still read.
 See ``docs/format.md`` for the schema.
 
 This module is the format's façade: it turns a staged tree into :class:`Encoded` (a prefix

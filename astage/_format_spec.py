@@ -25,15 +25,17 @@ from ._plan import StagePlan
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every checkpoint file."""
 
-FORMAT_VERSION: Final = 3
+FORMAT_VERSION: Final = 4
 """The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
-version 3 the binary tensor and storage tables)."""
+version 3 the binary tensor and storage tables, version 4 the tensor runs of the tree: a
+dict whose values are tensors met there first, numbered in a row, names only the first)."""
 
-READ_VERSIONS: Final = frozenset({1, 2, 3})
+READ_VERSIONS: Final = frozenset({1, 2, 3, 4})
 """The versions this module reads.  The binary version sets the parse bound
-(:data:`PARSE_AMPLIFICATION`: version 2 and 3 headers are padded to it where needed) and the
-header's layout (3: binary tables); in versions 1 and 2 the header's ``format`` field says
-which nodes may appear: a format-1 header may use only format-1 nodes."""
+(:data:`PARSE_AMPLIFICATION`: version 2 to 4 headers are padded to it where needed), the
+header's layout (from 3: binary tables) and, from 3, the nodes the tree may use (4: tensor
+runs); in versions 1 and 2 the header's ``format`` field says which nodes may appear: a
+format-1 header may use only format-1 nodes."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""

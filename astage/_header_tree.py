@@ -29,7 +29,6 @@ from ._format_spec import (
     _NUMPY_NAMES,
     _TORCH_DTYPE_LEAVES,
     DTYPES,
-    FORMAT_VERSION,
     MAX_DEPTH,
     MAX_NDIM,
     NUMPY_DTYPES,
@@ -191,7 +190,9 @@ class _TreeEncoder:
                     )
                 self._check_depth(path, depth)
                 json_keys = self._keys(keys, path)
-                json_values = self.children(keys, values, path, depth)
+                json_values: Any = self.run(keys, values, path)
+                if json_values is None:
+                    json_values = self.children(keys, values, path, depth)
                 json_attrs = {}
                 for name, value in attrs:
                     if not _attr_name_ok(name):
@@ -233,6 +234,28 @@ class _TreeEncoder:
             self.charged += _COST_PATH + 8 * len(path)
             self._check_tensor(self.plan.tensors[index], path)
         return ["tensor", index]
+
+    def run(self, keys: tuple[Any, ...], nodes: tuple[Node, ...], path: KeyPath) -> int | None:
+        """The first position of ``nodes`` if they are tensors met here first and numbered in
+        a row (a module's or a layer's state_dict), which version 4 writes as that one int;
+        else ``None``.  Each is checked and charged as :meth:`tensor` does, as a reader
+        charges it: its key path."""
+        if not nodes or type(nodes[0]) is not TensorNode:
+            return None
+        first = nodes[0].position
+        end = first + len(nodes)
+        if end > len(self.plan.tensors) or nodes != tensor_nodes(first, end):
+            return None
+        seen = self.seen
+        if not seen.isdisjoint(range(first, end)):
+            return None
+        if not self.storable:
+            specs = self.plan.tensors
+            for key, position in zip(keys, range(first, end), strict=True):
+                self._check_tensor(specs[position], (*path, key))
+        seen.update(range(first, end))
+        self.charged += len(nodes) * (_COST_PATH + 8 * (len(path) + 1))
+        return first
 
     def children(self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int) -> list[Any]:
         # Tensors are the bulk of a state_dict: met again, or all storable, they need no key
@@ -401,8 +424,9 @@ class _HeaderParser:
     def parse(self, doc: Any) -> FileHeader:
         if self.tables is not None:
             doc = _object(doc, "document", _DOC_KEYS_V3)
-            if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
-                raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
+            # From version 3 the JSON field repeats the binary version, which says what may appear.
+            if doc["format"] != self.version or type(doc["format"]) is not int:
+                raise _fail("format", f"expected {self.version}, got {doc['format']!r:.40}")
         else:
             doc = _object(doc, "document", _DOC_KEYS)
             # The binary version set the parse bound; the JSON one says which nodes may appear.
@@ -465,7 +489,7 @@ class _HeaderParser:
     def tables_v3(
         self, tables: _Tables, body_nbytes: int, doc: dict[str, Any]
     ) -> tuple[Segments, _Specs, tuple[DTensorNote | None, ...]]:
-        """The binary tables (version 3), checked column by column, then the tree."""
+        """The binary tables (versions 3, 4), checked column by column, then the tree."""
         self.paths = [None] * len(tables.tensors)
         # The JSON tree goes as soon as it is walked: the specs below are the peak.
         tree = doc.pop("tree")
@@ -626,10 +650,12 @@ class _HeaderParser:
             except TypeError:  # a list (a non-finite float) or an object among them
                 keys = [self.scalar(k, path) for k in keys]
                 distinct = len(set(keys))
-            values = _list(values, where, len(keys))
             if distinct != len(keys):
                 raise _fail(where, "duplicate dict key")
-            nodes = self.children(keys, values, path, depth)
+            if type(values) is int and self.version >= 4:
+                nodes = self.run(keys, values, path, where)
+            else:
+                nodes = self.children(keys, _list(values, where, len(keys)), path, depth)
             attrs = self.attrs(more[0], path, depth) if more else ()
             proto: dict[Any, Any] | None = None if tag == "dict" else collections.OrderedDict()
             node = DictNode(self.containers, tuple(keys), nodes, proto, attrs)
@@ -647,6 +673,26 @@ class _HeaderParser:
             raise _fail(where, f"unknown or malformed node {raw!r:.80}")
         self.containers += 1
         return node
+
+    def run(self, keys: list[Any], first: int, path: KeyPath, where: str) -> tuple[Node, ...]:
+        """A version-4 tensor run: the dict's values are tensors ``first``, ``first + 1``, ...,
+        each met here first."""
+        count = len(keys)
+        if not count or not self.claim_run(first, count):
+            raise _fail(where, f"tensors {first!r:.40}.. are not {count} tensors met here first")
+        # Its nodes are shared (tensor_nodes); where made anew, each tensor's table charge
+        # covers its node (tests/test_format.py measures the densest runs).
+        self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
+        # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
+        self.paths[first : first + count] = zip(*map(repeat, path), keys, strict=False)
+        return tensor_nodes(first, first + count)
+
+    def claim_run(self, first: int, count: int) -> bool:
+        """Whether tensors ``first`` .. ``first + count - 1`` exist and none is referenced yet."""
+        paths = self.paths
+        return (
+            first >= 0 and first + count <= len(paths) and paths[first : first + count].count(None) == count
+        )
 
     def children(self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int) -> tuple[Node, ...]:
         fresh = self.fresh_tensors(keys, raws, path)
@@ -691,11 +737,9 @@ class _HeaderParser:
 
     def claim(self, indices: tuple[int, ...], consecutive: bool) -> bool:
         """Whether ``indices`` (ints) are distinct tensors not yet referenced."""
-        paths = self.paths
-        count = len(indices)
         if consecutive:
-            first, end = indices[0], indices[0] + count
-            return first >= 0 and end <= len(paths) and paths[first:end].count(None) == count
+            return self.claim_run(indices[0], len(indices))
+        paths, count = self.paths, len(indices)
         if min(indices) < 0 or max(indices) >= len(paths):
             return False
         return list(map(paths.__getitem__, indices)).count(None) == count and len(set(indices)) == count

@@ -391,3 +391,27 @@ def collections_started() -> Iterator[list[int]]:
         yield seen
     finally:
         gc.callbacks.remove(record)
+
+
+# -- the checkpoint file's JSON tree ------------------------------------------------------------
+
+
+def expand_tensor_runs(node: Any) -> Any:
+    """A version-4 JSON tree with its tensor runs written out, as versions 1 to 3 wrote them:
+    ``["dict", keys, first]`` becomes ``["dict", keys, [["tensor", first], ...]]``."""
+    if type(node) is not list or not node:
+        return node
+    tag = node[0]
+    if tag in ("dict", "odict"):
+        keys, values = node[1], node[2]
+        if type(values) is int:
+            values = [["tensor", values + k] for k in range(len(keys))]
+        else:
+            values = [expand_tensor_runs(v) for v in values]
+        attrs = [{name: expand_tensor_runs(v) for name, v in node[3].items()}] if len(node) == 4 else []
+        return [tag, keys, values, *attrs]
+    if tag in ("list", "tuple"):
+        return [tag, [expand_tensor_runs(v) for v in node[1]]]
+    if tag == "namedtuple":
+        return [*node[:3], [expand_tensor_runs(v) for v in node[3]]]
+    return node

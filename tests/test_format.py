@@ -658,8 +658,8 @@ def test_wrong_magic_and_version_are_named() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="magic"):
         parse_prefix(b"PK\x03\x04" + data[4:])
-    with pytest.raises(astage.IntegrityError, match="version 4"):
-        parse_prefix(data[:8] + struct.pack("<I", 4) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 5"):
+        parse_prefix(data[:8] + struct.pack("<I", 5) + data[12:])
     with pytest.raises(astage.IntegrityError, match="version 0"):
         parse_prefix(data[:8] + struct.pack("<I", 0) + data[12:])
 
@@ -1082,6 +1082,24 @@ def test_every_header_the_encoder_writes_parses_within_the_bound(make: Any) -> N
     assert peak <= PARSE_AMPLIFICATION * header_len + PARSE_SLACK, peak / header_len
 
 
+@pytest.mark.parametrize("tensors", [3_000, 40_000])
+def test_tensor_runs_parse_within_the_bound_while_the_shared_nodes_grow(
+    tensors: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run's nodes are slices of astage._plan's shared tuple, which grows to the next power
+    # of two as positions are first needed: the parse that grows it must fit the bound too.
+    encoded = encode(
+        {"r": {f"{i}": torch.zeros(()) for i in range(tensors)}}, owner_rank=0, step=0, checkpoint_id=""
+    )
+    assert b'["dict",["0","1",' in encoded.prefix
+    monkeypatch.setattr(astage._plan, "_tensor_nodes", ())
+    header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
+    peak, valid = _parse_peak(encoded.prefix)
+    assert valid
+    assert len(astage._plan._tensor_nodes) >= tensors  # grown during that parse
+    assert peak <= PARSE_AMPLIFICATION * header_len + PARSE_SLACK, peak / header_len
+
+
 def test_an_unpadded_dense_header_is_refused_before_parsing() -> None:
     # What the encoder writes, minus the padding that buys its parse budget.
     encoded = encode({"z": [0] * 100_000}, owner_rank=0, step=0, checkpoint_id="")
@@ -1152,14 +1170,16 @@ def test_relabel_makes_another_ranks_prefix_over_the_same_body() -> None:
         received.relabel(owner_rank=0, holder_rank=1)
 
 
-def _json_edit(state: Any, edit: Callable[[dict[str, Any]], object]) -> bytes:
-    """A version-3 prefix of ``state`` whose JSON ``edit`` changed (tables kept), checksum right."""
+def _json_edit(state: Any, edit: Callable[[dict[str, Any]], object], version: int = FORMAT_VERSION) -> bytes:
+    """A prefix of ``state`` whose JSON ``edit`` changed (tables kept), checksum right, as
+    ``version`` (3 or later: the same tables) with its ``format`` field."""
     data = replica_bytes(state, created=1.5)
     header = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]]
-    start = header.index(b'{"format":3,')
+    start = header.index(b'{"format":%d,' % FORMAT_VERSION)
     doc = json.loads(header[start:])
+    doc["format"] = version
     edit(doc)
-    return _forge_version(header[:start] + json.dumps(doc).encode(), FORMAT_VERSION)
+    return _forge_version(header[:start] + json.dumps(doc).encode(), version)
 
 
 @pytest.mark.parametrize(
@@ -1177,6 +1197,60 @@ def test_malformed_dtensor_notes_are_integrity_errors(notes: list[Any]) -> None:
     data = _json_edit(SMALL, lambda doc: doc.update(dtensors=notes))
     with pytest.raises(astage.IntegrityError, match="dtensors"):
         parse_prefix(data)
+
+
+_RUN_STATE = {
+    "layer": {"a": torch.ones(2), "b": torch.zeros(3)},
+    "rest": {"c": torch.ones(1), "d": torch.ones(4)},
+}
+"""Two runs of two tensors: ``["dict", ["a", "b"], 0]`` and ``["dict", ["c", "d"], 2]``."""
+
+
+def _tree(layer: Any, rest: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tree"] = ["dict", ["layer", "rest"], [layer, rest]]
+
+    return edit
+
+
+def test_tensor_runs_parse_to_the_tree_they_stand_for() -> None:
+    written = parse_prefix(_json_edit(_RUN_STATE, lambda doc: None))
+    spelled_out = _tree(
+        ["dict", ["a", "b"], [["tensor", 0], ["tensor", 1]]],
+        ["dict", ["c", "d"], [["tensor", 2], ["tensor", 3]]],
+    )
+    for version in (3, 4):  # the tree written out: what versions 3 (and 4) read
+        assert parse_prefix(_json_edit(_RUN_STATE, spelled_out, version)).plan == written.plan
+    assert [spec.key_path for spec in written.plan.tensors] == [
+        ("layer", "a"),
+        ("layer", "b"),
+        ("rest", "c"),
+        ("rest", "d"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("layer", "rest", "match"),
+    [
+        (["dict", ["a", "b"], 0], ["dict", ["c", "d"], 1], "not 2 tensors met here first"),  # overlap
+        (["dict", ["a", "b"], 0], ["dict", ["c", "d"], 3], "not 2 tensors met here first"),  # past the end
+        (["dict", ["a", "b"], -1], ["dict", ["c", "d"], 2], "not 2 tensors met here first"),
+        (["dict", [], 0], ["dict", ["c", "d"], 2], "not 0 tensors"),
+        (["dict", ["a", "b"], True], ["dict", ["c", "d"], 2], "expected a list"),  # a bool is no position
+        (["dict", ["a", "b"], 0], ["dict", ["c", "d"], 2.0], "expected a list"),
+        (["dict", ["a", "b"], [["tensor", 0], ["tensor", 2]]], ["dict", ["c", "d"], 2], "not 2 tensors"),
+        (["dict", ["a", "b"], 0], ["dict", ["c"], 2], "not referenced"),  # tensor 3 in no node
+    ],
+    ids=["overlap", "past the end", "negative", "empty", "bool", "float", "met before", "one short"],
+)
+def test_malformed_tensor_runs_are_integrity_errors(layer: Any, rest: Any, match: str) -> None:
+    with pytest.raises(astage.IntegrityError, match=match):
+        parse_prefix(_json_edit(_RUN_STATE, _tree(layer, rest)))
+
+
+def test_a_version_3_header_has_no_tensor_runs() -> None:
+    with pytest.raises(astage.IntegrityError, match="expected a list"):
+        parse_prefix(_json_edit(_RUN_STATE, lambda doc: None, version=3))
 
 
 def test_a_dtensor_note_on_an_ndarray_is_an_integrity_error() -> None:

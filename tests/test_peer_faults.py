@@ -189,7 +189,8 @@ def malformed(case: str) -> tuple[bytes, bytes]:
         # The header is the binary tables, then the JSON tree: a key added to the JSON.
         header = prefix[20 : 20 + int.from_bytes(prefix[12:20], "little")]
         tables, _, doc = header.partition(b'{"format":')
-        hostile = tables + b'{"format":' + doc.replace(b"3,", b'3,"exec":"__import__(\'os\')",', 1)
+        version = b"%d," % astage._format.FORMAT_VERSION
+        hostile = tables + b'{"format":' + doc.replace(version, version + b'"exec":"__import__(\'os\')",', 1)
         assert hostile != header
         return _prefix_bytes(hostile), body
     if case == "another rank's replica":

@@ -30,8 +30,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import astage
-from astage._format import FIXED_PREFIX_NBYTES, NUMPY_DTYPES, decode, encode, parse_prefix
-from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
+from astage._format import FIXED_PREFIX_NBYTES, FORMAT_VERSION, NUMPY_DTYPES, decode, encode, parse_prefix
+from tests.helpers import (
+    expand_tensor_runs,
+    no_blocking_calls_on_the_loop,  # noqa: F401 - autouse fixture
+)
 
 # -- helpers ------------------------------------------------------------------------------
 
@@ -163,12 +166,20 @@ def test_each_leaf_kind_round_trips_exactly(value: Any) -> None:
     assert_exact(round_trip({"x": value, "in": [value]}), {"x": value, "in": [value]})
 
 
-def test_version_3_headers_say_format_3_whatever_the_tree_holds() -> None:
+def test_headers_say_the_current_format_whatever_the_tree_holds() -> None:
     for state in ({"w": torch.ones(2), "lr": 0.1}, {"w": np.ones(2), "shape": torch.Size([2])}):
         data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
         header = parse_prefix(data)
-        assert header.version == 3
-        assert b'{"format":3,' in data[: header.prefix_nbytes]
+        assert header.version == FORMAT_VERSION == 4
+        assert b'{"format":4,' in data[: header.prefix_nbytes]
+
+
+def test_a_dict_of_fresh_tensors_is_one_run_in_version_4() -> None:
+    state = {"layer": {"a": torch.ones(2), "b": torch.zeros(3)}, "mixed": {"c": torch.ones(1), "lr": 0.5}}
+    data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
+    assert b'["dict",["a","b"],0]' in data  # the run: the first tensor's position alone
+    assert b'["dict",["c","lr"],[["tensor",2],0.5]]' in data  # a mixed dict keeps its list
+    assert_exact(round_trip(state), state)
 
 
 def test_rng_states_round_trip_bit_exactly_and_continue_the_same_streams() -> None:
@@ -307,6 +318,64 @@ _VERSION_2 = base64.b64decode(
 )
 
 
+# A version-3 replica written by astage before format 4 (main at 5a0c106), owner 3, step 7,
+# checkpoint "v3": w = arange(6.).reshape(2, 3), {"layer": {"a": tensor([1., 2.]), "b":
+# tensor([3.]), "c": tensor([True, False])}, "od": OrderedDict(x=tensor([1, 2], int8),
+# y=tensor([0.5])) with _metadata {"": {"version": 1}}, "w": w, "t": w.t(), "mixed": {"p":
+# tensor([7]), "lr": 0.25}}: dicts a version-4 header writes as tensor runs.
+_VERSION_3 = base64.b64decode(
+    "QVNUQUdFAFIDAAAAfAMAAAAAAAAIAAAAAAAAABQAAAAAAAAABwAAAAAAAAAAAAAAAAAAAAAAAAALAQAAAAAAAAAAAAABAAAA"
+    "CwEAAAAAAAAAAAAAAgAAAAABAAAAAAAAAAAAAAMAAAACAQAAAAAAAAAAAAAEAAAACwEAAAAAAAAAAAAABQAAAAsCAAAAAAAA"
+    "AAAAAAUAAAALAgAAAAAAAAAAAAAGAAAABQEAAAAAAAAAAAAAAgAAAAAAAAABAAAAAAAAAAEAAAAAAAAAAQAAAAAAAAACAAAA"
+    "AAAAAAEAAAAAAAAAAgAAAAAAAAABAAAAAAAAAAEAAAAAAAAAAQAAAAAAAAACAAAAAAAAAAMAAAAAAAAAAwAAAAAAAAABAAAA"
+    "AAAAAAMAAAAAAAAAAgAAAAAAAAABAAAAAAAAAAMAAAAAAAAAAQAAAAAAAAABAAAAAAAAAAAAAAAAAAAACAAAAAAAAACxycAo"
+    "AAAAAEAAAAAAAAAABAAAAAAAAAB/kAv2AAAAAIAAAAAAAAAAAgAAAAAAAACl78PiAAAAAMAAAAAAAAAAAgAAAAAAAABSn/gD"
+    "AAAAAAABAAAAAAAABAAAAAAAAABSPpcmAAAAAEABAAAAAAAAGAAAAAAAAABdOnR4AAAAAIABAAAAAAAACAAAAAAAAACOt3F2"
+    "AAAAAHsiZm9ybWF0IjozLCJvd25lcl9yYW5rIjozLCJob2xkZXJfcmFuayI6bnVsbCwic3RlcCI6NywiY2hlY2twb2ludF9p"
+    "ZCI6InYzIiwiY3JlYXRlZCI6MS41LCJib2R5X25ieXRlcyI6MzkyLCJkdGVuc29ycyI6W10sInRyZWUiOlsiZGljdCIsWyJs"
+    "YXllciIsIm9kIiwidyIsInQiLCJtaXhlZCJdLFtbImRpY3QiLFsiYSIsImIiLCJjIl0sW1sidGVuc29yIiwwXSxbInRlbnNv"
+    "ciIsMV0sWyJ0ZW5zb3IiLDJdXV0sWyJvZGljdCIsWyJ4IiwieSJdLFtbInRlbnNvciIsM10sWyJ0ZW5zb3IiLDRdXSx7Il9t"
+    "ZXRhZGF0YSI6WyJkaWN0IixbIiJdLFtbImRpY3QiLFsidmVyc2lvbiJdLFsxXV1dXX1dLFsidGVuc29yIiw1XSxbInRlbnNv"
+    "ciIsNl0sWyJkaWN0IixbInAiLCJsciJdLFtbInRlbnNvciIsN10sMC4yNV1dXV19026GxwAAAAAAAAAAAAAAAAAAAAAAAAAA"
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAPwAAAEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+    "AAAAAAAAAAAAAAAAAAAAAAAAQEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+    "AAAAAAAAAAABAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+    "AQIAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAD8AAAAA"
+    "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAPwAAAEAAAEBA"
+    "AACAQAAAoEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAABwAAAAAAAAA="
+)
+
+
+def test_version_3_files_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "old.astage"
+    path.write_bytes(_VERSION_3)
+    header = parse_prefix(_VERSION_3)
+    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (3, 3, 7, "v3")
+    state = astage.load_checkpoint_file_sync(path)
+    w = torch.arange(6.0).reshape(2, 3)
+    assert state["layer"]["a"].tolist() == [1.0, 2.0]
+    assert state["layer"]["b"].tolist() == [3.0]
+    assert state["layer"]["c"].tolist() == [True, False]
+    assert type(state["od"]) is collections.OrderedDict
+    assert state["od"]._metadata == {"": {"version": 1}}
+    assert state["od"]["x"].dtype == torch.int8
+    assert state["od"]["x"].tolist() == [1, 2]
+    assert torch.equal(state["w"], w)
+    assert torch.equal(state["t"], w.t())
+    assert state["t"].untyped_storage().data_ptr() == state["w"].untyped_storage().data_ptr()
+    assert state["mixed"]["p"].tolist() == [7]
+    assert state["mixed"]["lr"] == 0.25
+    # The same state written now is version 4, with runs, and reads back the same.
+    data = b"".join(encode(state, owner_rank=3, step=7, checkpoint_id="v3").buffers())
+    assert parse_prefix(data).version == 4
+    assert b'["dict",["a","b","c"],0]' in data
+    back = round_trip(state)
+    assert [t.tolist() for t in back["layer"].values()] == [[1.0, 2.0], [3.0], [True, False]]
+    assert back["od"]._metadata == state["od"]._metadata
+    assert torch.equal(back["t"], w.t())
+    assert back["t"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
+
+
 def test_version_2_files_still_load(tmp_path: Path) -> None:
     path = tmp_path / "old.astage"
     path.write_bytes(_VERSION_2)
@@ -338,9 +407,10 @@ def _as_version(state: Any, version: int, edit: Any = None) -> bytes:
     document first."""
     data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
     header = parse_prefix(data)
-    json_start = data.index(b'{"format":3,')  # after the binary tables
+    json_start = data.index(b'{"format":%d,' % FORMAT_VERSION)  # after the binary tables
     json_end = FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]
     doc = json.loads(data[json_start:json_end])
+    doc["tree"] = expand_tensor_runs(doc["tree"])
     names = {dtype: name for name, dtype in astage._format.DTYPES.items()}
     kinds = {"TENSOR": "tensor", "PARAMETER": "parameter", "NDARRAY": "ndarray"}
     doc["tensors"] = [
