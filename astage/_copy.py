@@ -252,9 +252,9 @@ def deal_lanes(work: CopyWork, lanes: int) -> list[list[Batch]]:
 
     Costliest first, each to the lane with the least cost so far, and no lane with less
     than :data:`LANE_MIN_COST`: a copy of many small storages costs a dispatch a pair
-    (~0.85 us), which one thread cannot beat, so a second core halves it.  Large storages
-    gain less (torch already spreads one large ``copy_`` over its own threads), but cost
-    no more: memory bandwidth is shared either way.
+    (~0.85 us), which one thread cannot go below, and a second core can take half of them.
+    Large storages gain less (torch already spreads one large ``copy_`` over its own
+    threads), but cost no more: memory bandwidth is shared either way.
     """
     batches, costs = work
     lanes = min(lanes, len(batches), max(1, sum(costs) // LANE_MIN_COST))
