@@ -53,6 +53,7 @@ import functools
 import itertools
 import json
 import math
+import operator
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -98,7 +99,7 @@ from ._parse_bound import (
 )
 from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from ._rebuild import rebuild
-from ._slices import drive
+from ._slices import Steps, drive
 from ._tensor_table import _COUNTS, _split_tables, _tensor_table
 from ._tensor_table import STORAGE_RECORD as STORAGE_RECORD
 from ._tensor_table import TENSOR_RECORD as TENSOR_RECORD
@@ -399,34 +400,72 @@ def lay_out(
 ) -> FileLayout:
     """Check a staged (CPU) state_dict against the format and lay it out (see :func:`encode`).
 
-    Walks the tree once; pure Python, no checksums: tens of milliseconds for 20,000
-    tensors, so async callers run it in a worker thread.
+    Walks the tree once; pure Python, no checksums: about 6 us a tensor.  Async callers run
+    :func:`iter_lay_out` in slices on the loop instead (a worker thread would hold the GIL
+    from the loop up to the switch interval at a time, and buys nothing: this is Python).
 
     :raises UnsupportedInputError: as :func:`encode`.
     :raises ConfigurationError: as :func:`encode`.
     """
+    return drive(
+        iter_lay_out(
+            staged_state_dict,
+            owner_rank=owner_rank,
+            step=step,
+            checkpoint_id=checkpoint_id,
+            holder_rank=holder_rank,
+            created=created,
+        )
+    )
+
+
+def iter_lay_out(
+    staged_state_dict: Any,
+    *,
+    owner_rank: int,
+    step: int,
+    checkpoint_id: str,
+    holder_rank: int | None = None,
+    created: float | None = None,
+) -> Steps[FileLayout]:
+    """:func:`lay_out` in time slices (:mod:`astage._slices`); run it with the collector
+    paused throughout (:func:`astage._gc.gc_paused`): it makes a Python object or more a
+    tensor, which live until it returns."""
     created = float(time.time() if created is None else created)
     _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
     planner = _FilePlanner()
-    root = drive(planner.walk(staged_state_dict, ()))
+    root = yield from planner.walk(staged_state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
     tree_encoder = _TreeEncoder(plan)
     tree = tree_encoder.node(plan.root, (), 0)
-    offsets = []
-    nbytes = [spec.nbytes for spec in plan.storages]
-    end = 0
-    for n in nbytes:
-        offsets.append(_align(end))
-        end = offsets[-1] + n
-    dtensors = [
-        [i, repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)]
-        for i, spec in enumerate(plan.tensors)
-        if spec.kind is TensorKind.DTENSOR
-    ]
+    yield
+    # Each storage at the first aligned offset after the previous one: the previous offset
+    # is aligned, so the offsets are the running sum of the aligned sizes.
+    nbytes = list(map(_nbytes_of, plan.storages))
+    padded = (np.array(nbytes, np.int64) + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
+    offsets = np.zeros(len(nbytes), np.int64)
+    np.cumsum(padded[:-1], out=offsets[1:])
+    offset_list: list[int] = offsets.tolist()
+    end = offset_list[-1] + nbytes[-1] if nbytes else 0
+    dtensors = []
+    if TensorKind.DTENSOR in map(_kind_of, plan.tensors):
+        dtensors = [
+            [i, repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)]
+            for i, spec in enumerate(plan.tensors)
+            if spec.kind is TensorKind.DTENSOR
+        ]
     tree_json = json.dumps(
         {"dtensors": dtensors, "tree": tree}, ensure_ascii=True, allow_nan=False, separators=(",", ":")
     )[1:-1]
-    table, dims = _tensor_table(plan.tensors)
+    del tree
+    yield
+    tables: list[bytes] = []
+    dims: list[bytes] = []
+    for start in range(0, max(1, len(plan.tensors)), _TABLE_BLOCK):
+        table, dim = _tensor_table(plan.tensors[start : start + _TABLE_BLOCK])
+        tables.append(table.tobytes())
+        dims.append(dim.tobytes())
+        yield
     layout = FileLayout(
         owner_rank=owner_rank,
         holder_rank=holder_rank,
@@ -434,19 +473,25 @@ def lay_out(
         checkpoint_id=checkpoint_id,
         created=created,
         tree_json=tree_json,
-        tables=table.tobytes() + dims.tobytes(),
-        num_tensors=len(table),
-        num_dims=len(dims),
+        tables=b"".join(tables) + b"".join(dims),
+        num_tensors=len(plan.tensors),
+        num_dims=sum(map(len, dims)) // 8,
         storages=tuple(planner.storage_objs),
-        offsets=tuple(offsets),
+        offsets=tuple(offset_list),
         nbytes=tuple(nbytes),
         body_nbytes=end,
         charged=tree_encoder.charged,
         tree_tokens=_text_tokens(tree_json.encode("ascii")),
-        storage_table=_blank_storage_table(offsets, nbytes),
+        storage_table=_blank_storage_table(offset_list, nbytes),
     )
     _check_widest_header(layout)
     return layout
+
+
+_TABLE_BLOCK: Final = 4096
+"""Tensors whose table records are packed between two slices (~2 ms)."""
+_nbytes_of = operator.attrgetter("nbytes")
+_kind_of = operator.attrgetter("kind")
 
 
 def _blank_storage_table(offsets: Sequence[int], nbytes: Sequence[int]) -> np.ndarray[Any, Any]:

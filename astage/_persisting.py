@@ -123,7 +123,7 @@ class Persister:
         """
         try:
             return await self._layouts.lay_out(
-                staged, step=step, checkpoint_id=checkpoint_id, limiter=self._limiter, refilled=refilled
+                staged, step=step, checkpoint_id=checkpoint_id, refilled=refilled
             )
         except BaseException as exc:
             drop_frames(exc)

@@ -31,6 +31,7 @@ import decimal
 import enum
 import fractions
 import io
+import itertools
 import operator
 import pathlib
 import socket
@@ -193,13 +194,18 @@ def tensor_nodes(first: int, end: int) -> tuple[TensorNode, ...]:
     a node and its int a tensor (~2 ms).  Nodes are immutable, so sharing them is safe."""
     global _tensor_nodes
     if end > SHARED_TENSOR_NODES:
-        return tuple(map(TensorNode._make, zip(range(first, end))))
+        return _new_nodes(first, end)
     known = _tensor_nodes
     if end > len(known):  # grown to the next power of two, at least 4,096
         size = min(SHARED_TENSOR_NODES, max(4096, 1 << (end - 1).bit_length()))
-        known = known + tuple(map(TensorNode._make, zip(range(len(known), size))))
+        known = known + _new_nodes(len(known), size)
         _tensor_nodes = known
     return known[first:end]
+
+
+def _new_nodes(first: int, end: int) -> tuple[TensorNode, ...]:
+    # tuple.__new__ on each 1-tuple zip makes: no Python-level __new__ or _make a node.
+    return tuple(map(tuple.__new__, itertools.repeat(TensorNode), zip(range(first, end))))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -468,9 +468,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         # Only astage's stager checks a copy whole at its release (see astage._layout_cache).
         trusted = stats is not None and stats.refilled and isinstance(self.stager, DefaultStager)
         refilled = stats.copy if stats is not None and trusted else None
-        layout = await self._layouts.lay_out(
-            staged, step=step, checkpoint_id=ckpt, limiter=None, refilled=refilled
-        )
+        layout = await self._layouts.lay_out(staged, step=step, checkpoint_id=ckpt, refilled=refilled)
         copy = stats.copy if stats is not None else None
         return await self._layouts.finish(staged, layout, limiter=None, copy=copy)
 

@@ -23,8 +23,9 @@ import torch
 
 import astage
 import astage._layout_cache
-from astage._format import FileLayout, lay_out
+from astage._format import FileLayout, iter_lay_out, lay_out
 from astage._layout_cache import LayoutCache, PendingLayout
+from astage._slices import Steps
 from tests.helpers import (  # noqa: F401 - autouse fixture
     collections_started,
     heartbeat_gaps,
@@ -88,7 +89,7 @@ def assert_same_layout(got: FileLayout, expected: FileLayout) -> None:
 
 async def kept_cache(staged: dict[str, Any]) -> LayoutCache:
     cache = LayoutCache(rank=0)
-    layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+    layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
     assert isinstance(layout, FileLayout)
     await cache.keep(staged, layout, None)
     return cache
@@ -98,7 +99,7 @@ async def test_the_same_tree_again_gets_the_layout_a_full_lay_out_would_give() -
     staged = tree()
     cache = await kept_cache(staged)
     staged["b"].fill_(7.0)  # refilled in place, as the stager does: the layout stays
-    pending = await cache.lay_out(staged, step=2, checkpoint_id="1" * 32, limiter=None)
+    pending = await cache.lay_out(staged, step=2, checkpoint_id="1" * 32)
     assert isinstance(pending, PendingLayout), "the same tree re-uses the kept layout"
     layout = await pending.complete()
     assert (layout.step, layout.checkpoint_id) == (2, "1" * 32)
@@ -110,7 +111,7 @@ async def test_every_change_to_the_tree_is_laid_out_anew(change: Callable[[dict[
     staged = tree()
     cache = await kept_cache(staged)
     change(staged)
-    layout = await cache.lay_out(staged, step=2, checkpoint_id=ID, limiter=None)
+    layout = await cache.lay_out(staged, step=2, checkpoint_id=ID)
     assert isinstance(layout, FileLayout), "a changed tree must not re-use the kept layout"
     assert_same_layout(layout, lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID))
 
@@ -121,7 +122,7 @@ async def test_re_using_a_layout_of_20000_tensors_leaves_the_loop_its_turn() -> 
 
     async def work() -> None:
         await anyio.wait_all_tasks_blocked()  # the heartbeat is ticking before the work starts
-        pending = await cache.lay_out(staged, step=2, checkpoint_id=ID, limiter=None)
+        pending = await cache.lay_out(staged, step=2, checkpoint_id=ID)
         assert isinstance(pending, PendingLayout)
         await pending.complete()
 
@@ -142,7 +143,7 @@ async def test_what_the_format_cannot_store_is_refused_even_after_a_kept_layout(
     cache = await kept_cache(staged)
     _unstorable(staged)
     with pytest.raises(astage.UnsupportedInputError) as info:
-        await cache.lay_out(staged, step=2, checkpoint_id=ID, limiter=None)
+        await cache.lay_out(staged, step=2, checkpoint_id=ID)
     assert info.value.key_path == ("nested", "name")
 
 
@@ -158,11 +159,11 @@ async def test_repeated_saves_lay_out_once_and_restore_exactly(
 ) -> None:
     calls: list[int] = []
 
-    def counted(staged: Any, **kwargs: Any) -> FileLayout:
+    def counted(staged: Any, **kwargs: Any) -> Steps[FileLayout]:
         calls.append(kwargs["step"])
-        return lay_out(staged, **kwargs)
+        return iter_lay_out(staged, **kwargs)
 
-    monkeypatch.setattr(astage._layout_cache, "lay_out", counted)
+    monkeypatch.setattr(astage._layout_cache, "iter_lay_out", counted)
     state = model(0)  # trained in place, as model.state_dict() views the same storages
     saved: dict[int, Any] = {}
     async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
@@ -213,7 +214,7 @@ async def test_a_copy_the_stager_refilled_is_walked_not_checked_again() -> None:
         staged, stats = await stager.stage_with_stats(sd)
         assert not stats.refilled
         cache = LayoutCache(rank=0)
-        layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+        layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
         assert isinstance(layout, FileLayout)
         await cache.keep(staged, layout, None, stats.copy)
         await stager.release(staged)
@@ -221,7 +222,7 @@ async def test_a_copy_the_stager_refilled_is_walked_not_checked_again() -> None:
         again, stats = await stager.stage_with_stats(sd)
         assert again is staged
         assert stats.refilled
-        pending = await cache.lay_out(again, step=2, checkpoint_id=ID, limiter=None, refilled=stats.copy)
+        pending = await cache.lay_out(again, step=2, checkpoint_id=ID, refilled=stats.copy)
         assert isinstance(pending, PendingLayout)
         assert cache._kept is not None
         assert not cache._kept.fast.guards, "no tensor was checked"
@@ -229,7 +230,7 @@ async def test_a_copy_the_stager_refilled_is_walked_not_checked_again() -> None:
         assert completed is not None
         assert_same_layout(completed, lay_out(again, owner_rank=0, step=2, checkpoint_id=ID))
         # Without the stager's word (another copy, or none), every tensor is checked.
-        pending = await cache.lay_out(again, step=3, checkpoint_id=ID, limiter=None, refilled=stats.copy + 1)
+        pending = await cache.lay_out(again, step=3, checkpoint_id=ID, refilled=stats.copy + 1)
         assert isinstance(pending, PendingLayout)
         assert cache._kept.fast.guards, "the full check arms the guards"
 
@@ -241,7 +242,7 @@ async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
     async with astage.DefaultStager() as stager:
         staged, stats = await stager.stage_with_stats(sd)
         cache = LayoutCache(rank=0)
-        layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+        layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
         assert isinstance(layout, FileLayout)
         await cache.keep(staged, layout, None, stats.copy)
         await stager.release(staged)
@@ -250,7 +251,7 @@ async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
         again, stats = await stager.stage_with_stats(sd)
         assert again is staged
         assert stats.refilled
-        pending = await cache.lay_out(again, step=2, checkpoint_id=ID, limiter=None, refilled=stats.copy)
+        pending = await cache.lay_out(again, step=2, checkpoint_id=ID, refilled=stats.copy)
         assert isinstance(pending, PendingLayout)
         with caplog.at_level("WARNING", logger="astage.layout_cache"):
             assert await pending.complete() is None, "a storage of another size is never written as laid out"
@@ -262,7 +263,7 @@ async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_
     # unwalked, like a stager's first stage (astage._gc), so no full pass lands on the loop.
     staged = {f"m{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
     cache = LayoutCache(rank=0)
-    layout = await cache.lay_out(staged, step=1, checkpoint_id=ID, limiter=None)
+    layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
     assert isinstance(layout, FileLayout)
     with collections_started() as collections:
         await cache.keep(staged, layout, None)
