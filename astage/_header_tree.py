@@ -57,6 +57,7 @@ from ._plan import (
     TensorSpec,
     tensor_nodes,
 )
+from ._slices import Steps, slice_over
 from ._tensor_table import (
     _check_tensor_table,
     _new_tuple,
@@ -160,15 +161,17 @@ class _TreeEncoder:
     could not parse it would have to abort the transfer and break the process group.
     """
 
-    def __init__(self, plan: StagePlan) -> None:
+    def __init__(self, plan: StagePlan, storable: bool | None = None) -> None:
         self.plan = plan
         self.memo: dict[int, int] = {}  # plan memo -> post-order container number
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
         self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
-        self.storable = _all_storable(plan.tensors)  # then no tensor needs _check_tensor
+        # Then no tensor needs _check_tensor.  A caller that checked it already says so.
+        self.storable = _all_storable(plan.tensors) if storable is None else storable
 
-    def node(self, n: Node, path: KeyPath, depth: int) -> Any:
+    def node(self, n: Node, path: KeyPath, depth: int) -> Steps[Any]:
+        """The JSON form of ``n`` (at ``path``, ``depth`` containers deep), in time slices."""
         match n:
             case TensorNode(index):
                 return self.tensor(index, path)
@@ -192,12 +195,12 @@ class _TreeEncoder:
                 json_keys = self._keys(keys, path)
                 json_values: Any = self.run(keys, values, path)
                 if json_values is None:
-                    json_values = self.children(keys, values, path, depth)
+                    json_values = yield from self.children(keys, values, path, depth)
                 json_attrs = {}
                 for name, value in attrs:
                     if not _attr_name_ok(name):
                         raise UnsupportedInputError(path, f"attribute name {name!r} is not allowed")
-                    json_attrs[name] = self.node(value, (*path, Attr(name)), depth + 1)
+                    json_attrs[name] = yield from self.node(value, (*path, Attr(name)), depth + 1)
                 self._done(memo)
                 node: list[Any] = ["dict" if proto is None else "odict", json_keys, json_values]
                 if json_attrs:  # e.g. the ``_metadata`` torch puts on every module state_dict
@@ -214,7 +217,7 @@ class _TreeEncoder:
                 if fields is not None:
                     self._check_namedtuple(cls, fields, len(items), path)
                 self._check_depth(path, depth)
-                json_items = self.children(range(len(items)), items, path, depth)
+                json_items = yield from self.children(range(len(items)), items, path, depth)
                 self._done(memo)
                 if fields is not None:
                     return ["namedtuple", cls.__name__, list(fields), json_items]
@@ -240,11 +243,11 @@ class _TreeEncoder:
         a row (a module's or a layer's state_dict), which version 4 writes as that one int;
         else ``None``.  Each is checked and charged as :meth:`tensor` does, as a reader
         charges it: its key path."""
-        if not nodes or type(nodes[0]) is not TensorNode:
+        if not nodes or list(map(type, nodes)).count(TensorNode) != len(nodes):
             return None
-        first = nodes[0].position
+        first = nodes[0].position  # type: ignore[union-attr]
         end = first + len(nodes)
-        if end > len(self.plan.tensors) or nodes != tensor_nodes(first, end):
+        if end > len(self.plan.tensors) or list(map(_position, nodes)) != list(range(first, end)):
             return None
         seen = self.seen
         if not seen.isdisjoint(range(first, end)):
@@ -257,7 +260,9 @@ class _TreeEncoder:
         self.charged += len(nodes) * (_COST_PATH + 8 * (len(path) + 1))
         return first
 
-    def children(self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int) -> list[Any]:
+    def children(
+        self, keys: Iterable[Any], nodes: Sequence[Node], path: KeyPath, depth: int
+    ) -> Steps[list[Any]]:
         # Tensors are the bulk of a state_dict: met again, or all storable, they need no key
         # path, call or dispatch (about a third of the walk's time on 20,000 tensors).
         out: list[Any] = []
@@ -276,7 +281,9 @@ class _TreeEncoder:
                     self.charged += fresh
                 append(["tensor", position])
             else:
-                append(self.node(child, (*path, key), depth + 1))
+                append((yield from self.node(child, (*path, key), depth + 1)))
+                if slice_over():  # an optimizer's state: thousands of small dicts
+                    yield
         return out
 
     @staticmethod
@@ -329,6 +336,9 @@ class _TreeEncoder:
             raise UnsupportedInputError(
                 path, "tensors carrying Python attributes cannot be stored in a checkpoint file"
             )
+
+
+_position = attrgetter("position")
 
 
 def _all_storable(specs: Sequence[TensorSpec]) -> bool:

@@ -25,7 +25,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -139,6 +139,15 @@ def iter_distinct(items: Sequence[object]) -> Steps[bool]:
         if slice_over():
             yield
     return True
+
+
+def iter_drop(items: list[Any], block: int = 1024) -> Steps[None]:
+    """Empty ``items`` from the end, a block at a time, in time slices: the last reference
+    to 20,000 small records, dropped at once, frees them all in one go (milliseconds)."""
+    while items:
+        del items[-block:]
+        if slice_over():
+            yield
 
 
 def within(context: Callable[[], contextlib.AbstractContextManager[object]], steps: Steps[T]) -> Steps[T]:

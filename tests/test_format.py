@@ -1086,8 +1086,8 @@ def test_every_header_the_encoder_writes_parses_within_the_bound(make: Any) -> N
 def test_tensor_runs_parse_within_the_bound_while_the_shared_nodes_grow(
     tensors: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A run's nodes are slices of astage._plan's shared tuple, which grows to the next power
-    # of two as positions are first needed: the parse that grows it must fit the bound too.
+    # A run's nodes are slices of astage._plan's shared tuple, which grows 4,096 nodes at a
+    # time as positions are first needed: the parse that grows it must fit the bound too.
     encoded = encode(
         {"r": {f"{i}": torch.zeros(()) for i in range(tensors)}}, owner_rank=0, step=0, checkpoint_id=""
     )
