@@ -446,12 +446,23 @@ async def test_every_change_after_a_warm_recheck_is_staged_faithfully(case: str)
         assert_faithful(await stager.stage(sd), sd)
 
 
+def test_a_plan_arms_the_guards_of_the_tensors_it_was_made_of() -> None:
+    sd = run_like()
+    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    assert fast is not None
+    assert len(fast.guards) == 2  # the 301 tensors, in chunks of 256: the next stage is guarded
+    armed = dict(fast.guards)
+    assert drive(iter_match(fast, sd)) == [*sd["layer"].values(), sd["step"]]
+    assert fast.guards == armed  # they passed it: nothing re-armed
+
+
 def test_a_chunk_that_passed_the_full_check_is_guarded_next_time() -> None:
     sd = run_like()
     fast = drive(iter_fast_plan(plan_state_dict(sd)))
     assert fast is not None
+    fast.guards.clear()  # as a plan made where dynamo's guards were not at hand
     assert drive(iter_match(fast, sd)) is not None
-    assert len(fast.guards) == 2  # the 300-tensor run, in chunks of 256
+    assert len(fast.guards) == 2  # the 301 tensors, in chunks of 256
     again = {"layer": dict(sd["layer"]), "step": sd["step"]}
     assert drive(iter_match(fast, again)) == [*sd["layer"].values(), sd["step"]]
     with torch.no_grad():  # another thread-local mode: the guard may refuse, the full check decides
