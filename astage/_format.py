@@ -389,15 +389,7 @@ class FileLayout:
 
 
 @without_gc
-def lay_out(
-    staged_state_dict: Any,
-    *,
-    owner_rank: int,
-    step: int,
-    checkpoint_id: str,
-    holder_rank: int | None = None,
-    created: float | None = None,
-) -> FileLayout:
+def lay_out(staged_state_dict: Any, **meta: Unpack[FileMeta]) -> FileLayout:
     """Check a staged (CPU) state_dict against the format and lay it out (see :func:`encode`).
 
     Walks the tree once; pure Python, no checksums: about 6 us a tensor.  Async callers run
@@ -407,16 +399,7 @@ def lay_out(
     :raises UnsupportedInputError: as :func:`encode`.
     :raises ConfigurationError: as :func:`encode`.
     """
-    return drive(
-        iter_lay_out(
-            staged_state_dict,
-            owner_rank=owner_rank,
-            step=step,
-            checkpoint_id=checkpoint_id,
-            holder_rank=holder_rank,
-            created=created,
-        )
-    )
+    return drive(iter_lay_out(staged_state_dict, **meta))
 
 
 def iter_lay_out(

@@ -267,6 +267,22 @@ def test_python_ints_floats_complex_and_bytes_round_trip(value: Any) -> None:
 
 # -- old files --------------------------------------------------------------------------------
 
+
+def _load_old(tmp_path: Path, data: bytes, version: int) -> Any:
+    """The state in ``data``, an old replica owned by rank 3, step 7, checkpoint "v<version>",
+    loaded from a real file, after its header is checked to say so."""
+    path = tmp_path / "old.astage"
+    path.write_bytes(data)
+    header = parse_prefix(data)
+    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (
+        version,
+        3,
+        7,
+        f"v{version}",
+    )
+    return astage.load_checkpoint_file_sync(path)
+
+
 # A version-1 replica written by astage before format 2 (main at 2fa0a77):
 # {"w": arange(6.).reshape(2, 3), "p": P(a=1, b=[2.5, nan]), "od": OrderedDict(x=tensor([True,
 # False])), "alias": <w again>}, owner 3, step 7, checkpoint "v1".
@@ -283,11 +299,7 @@ _VERSION_1 = base64.b64decode(
 
 
 def test_version_1_files_still_load(tmp_path: Path) -> None:
-    path = tmp_path / "old.astage"
-    path.write_bytes(_VERSION_1)
-    header = parse_prefix(_VERSION_1)
-    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (1, 3, 7, "v1")
-    state = astage.load_checkpoint_file_sync(path)
+    state = _load_old(tmp_path, _VERSION_1, 1)
     assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3))
     assert state["alias"] is state["w"]
     assert state["p"][:1] == (1,)
@@ -347,11 +359,7 @@ _VERSION_3 = base64.b64decode(
 
 
 def test_version_3_files_still_load(tmp_path: Path) -> None:
-    path = tmp_path / "old.astage"
-    path.write_bytes(_VERSION_3)
-    header = parse_prefix(_VERSION_3)
-    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (3, 3, 7, "v3")
-    state = astage.load_checkpoint_file_sync(path)
+    state = _load_old(tmp_path, _VERSION_3, 3)
     w = torch.arange(6.0).reshape(2, 3)
     assert state["layer"]["a"].tolist() == [1.0, 2.0]
     assert state["layer"]["b"].tolist() == [3.0]
@@ -377,11 +385,7 @@ def test_version_3_files_still_load(tmp_path: Path) -> None:
 
 
 def test_version_2_files_still_load(tmp_path: Path) -> None:
-    path = tmp_path / "old.astage"
-    path.write_bytes(_VERSION_2)
-    header = parse_prefix(_VERSION_2)
-    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (2, 3, 7, "v2")
-    state = astage.load_checkpoint_file_sync(path)
+    state = _load_old(tmp_path, _VERSION_2, 2)
     w = torch.arange(6.0).reshape(2, 3)
     assert torch.equal(state["w"], w)
     assert torch.equal(state["t"], w.t())
