@@ -304,6 +304,9 @@ async def kept_layout_target(rank: int, world: int, root: str) -> dict[int, dict
                 "refilled": result.stats.stage.refilled,
                 "walked": kept is not None and kept.copy == result.stats.stage.copy and not kept.fast.guards,
             }
+            if kept is not None:
+                # Its plan armed its guards; a check of a chunk that finds none arms one again.
+                kept.fast.guards.clear()
             await rs.stager.release(result.staged)
             del result
     return out
