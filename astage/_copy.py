@@ -142,9 +142,9 @@ class CopyLayout:
     device: tuple[tuple[int, ...], ...]
     host_other: tuple[int, ...]
     device_other: tuple[int, ...]
-    host_bytes: tuple[int, ...] = ()
+    host_bytes: tuple[int, ...]
     """Bytes of each ``host`` batch (its cost, with its pairs: :class:`CopyWork`)."""
-    device_bytes: tuple[int, ...] = ()
+    device_bytes: tuple[int, ...]
     """Bytes of each ``device`` batch."""
 
 

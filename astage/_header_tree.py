@@ -687,22 +687,26 @@ class _HeaderParser:
     def run(self, keys: list[Any], first: int, path: KeyPath, where: str) -> tuple[Node, ...]:
         """A version-4 tensor run: the dict's values are tensors ``first``, ``first + 1``, ...,
         each met here first."""
-        count = len(keys)
-        if not count or not self.claim_run(first, count):
-            raise _fail(where, f"tensors {first!r:.40}.. are not {count} tensors met here first")
+        nodes = self.take_run(keys, first, len(keys), path) if keys else None
+        if nodes is None:
+            raise _fail(where, f"tensors {first!r:.40}.. are not {len(keys)} tensors met here first")
+        return nodes
+
+    def take_run(self, keys: Iterable[Any], first: int, count: int, path: KeyPath) -> tuple[Node, ...] | None:
+        """The nodes of tensors ``first`` .. ``first + count - 1``, the values of ``keys``
+        under ``path``, their key paths recorded and charged; ``None`` unless they all exist
+        and none is referenced yet."""
+        paths = self.paths
+        if not (
+            first >= 0 and first + count <= len(paths) and paths[first : first + count].count(None) == count
+        ):
+            return None
         # Its nodes are shared (tensor_nodes); where made anew, each tensor's table charge
         # covers its node (tests/test_format.py measures the densest runs).
         self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
         # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
-        self.paths[first : first + count] = zip(*map(repeat, path), keys, strict=False)
+        paths[first : first + count] = zip(*map(repeat, path), keys, strict=False)
         return tensor_nodes(first, first + count)
-
-    def claim_run(self, first: int, count: int) -> bool:
-        """Whether tensors ``first`` .. ``first + count - 1`` exist and none is referenced yet."""
-        paths = self.paths
-        return (
-            first >= 0 and first + count <= len(paths) and paths[first : first + count].count(None) == count
-        )
 
     def children(self, keys: Iterable[Any], raws: list[Any], path: KeyPath, depth: int) -> tuple[Node, ...]:
         fresh = self.fresh_tensors(keys, raws, path)
@@ -731,24 +735,20 @@ class _HeaderParser:
             return None
         first, last = indices[0], indices[-1]
         # The common case, as the encoder numbers tensors: consecutive (a C-speed check).
-        consecutive = last - first == count - 1 and indices == tuple(range(first, last + 1))
-        if not self.claim(indices, consecutive):
+        if last - first == count - 1 and indices == tuple(range(first, last + 1)):
+            return self.take_run(keys, first, count, path)
+        if not self.claim(indices):
             return None
         self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
         # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
-        children = list(zip(*map(repeat, path), keys, strict=False))  # the repeats are endless
+        children = zip(*map(repeat, path), keys, strict=False)  # the repeats are endless
         paths = self.paths
-        if consecutive:
-            paths[first : last + 1] = children
-            return tensor_nodes(first, last + 1)
         for index, child in zip(indices, children, strict=True):
             paths[index] = child
         return tuple(map(_new_tuple, repeat(TensorNode), zip(indices)))
 
-    def claim(self, indices: tuple[int, ...], consecutive: bool) -> bool:
+    def claim(self, indices: tuple[int, ...]) -> bool:
         """Whether ``indices`` (ints) are distinct tensors not yet referenced."""
-        if consecutive:
-            return self.claim_run(indices[0], len(indices))
         paths, count = self.paths, len(indices)
         if min(indices) < 0 or max(indices) >= len(paths):
             return False
