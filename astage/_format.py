@@ -251,10 +251,9 @@ class _StorageSegments(Sequence[tuple[int, torch.Tensor]]):
         made = self._made
         return made[index][1] if made is not None else _storage_bytes(self.storages[index])
 
-    def extent(self, index: int) -> tuple[int, int]:
-        """Storage ``index``'s address and size now."""
-        storage = self.storages[index]
-        return _data_ptr(storage), _nbytes(storage)
+    def extents_now(self, indices: Sequence[int]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Storages ``indices``' addresses and sizes now, as int64 columns."""
+        return _storage_columns(list(map(self.storages.__getitem__, indices)))
 
 
 _memory_view: Final = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(

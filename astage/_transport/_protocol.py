@@ -128,8 +128,9 @@ class ByteExtents(Protocol):
         """Segment ``index`` as a 1-D contiguous CPU ``uint8`` tensor (for a direct send)."""
         ...
 
-    def extent(self, index: int) -> tuple[int, int]:
-        """Segment ``index``'s address and size now (checked again just before it is read)."""
+    def extents_now(self, indices: Sequence[int]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """The addresses and sizes of segments ``indices`` now, as int64 columns (checked
+        again just before they are read)."""
         ...
 
 
@@ -141,17 +142,18 @@ class Gather:
     Part ``i`` lies in segment ``segments[i]`` of ``source``, planned at address
     ``bases[i]`` with ``extents[i]`` bytes: the packer checks that it still is before it
     reads (a storage resized meanwhile has moved; its old memory may be gone).  ``source``
-    holds the memory the addresses point into.
+    holds the memory the addresses point into.  ``starts``, ``bases`` and ``extents`` are
+    int64 columns: the packer checks and places a chunk's parts in bulk.
     """
 
-    starts: list[int]
+    starts: np.ndarray[Any, Any]
     addresses: list[int]
     sizes: list[int]
     gaps: bool
     source: ByteExtents
     segments: list[int]
-    bases: list[int]
-    extents: list[int]
+    bases: np.ndarray[Any, Any]
+    extents: np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True)
@@ -296,14 +298,14 @@ def _plan_extents(extents: ByteExtents, body_nbytes: int, chunk_bytes: int) -> S
             hi = np.minimum(ends[first:last], stop)
             moved = hi - lo
             gather = Gather(
-                starts=(lo - start).tolist(),
+                starts=lo - start,
                 addresses=(addresses[first:last] + (lo - offsets[first:last])).tolist(),
                 sizes=moved.tolist(),
                 gaps=int(moved.sum()) != stop - start,
                 source=extents,
                 segments=held[first:last].tolist(),
-                bases=addresses[first:last].tolist(),
-                extents=sizes[first:last].tolist(),
+                bases=addresses[first:last],
+                extents=sizes[first:last],
             )
             chunks.append(Chunk(start, stop - start, (gather,)))
         if slice_over():
