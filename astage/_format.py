@@ -100,7 +100,7 @@ from ._parse_bound import (
 from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from ._rebuild import rebuild
 from ._slices import Steps, drive, iter_drop
-from ._tensor_table import _COUNTS, _split_tables, _tensor_table
+from ._tensor_table import _COUNTS, _split_tables, _Tables, _tensor_table
 from ._tensor_table import STORAGE_RECORD as STORAGE_RECORD
 from ._tensor_table import TENSOR_RECORD as TENSOR_RECORD
 
@@ -666,6 +666,31 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> FileHeader:
 
     :raises IntegrityError: truncated, corrupt, tampered or malformed in any way.
     """
+    return parse_checked(check_prefix(data))[0]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class CheckedPrefix:
+    """A prefix checked up to its JSON (:func:`check_prefix`), which is not parsed yet.
+
+    :ivar text: the JSON, without its padding; :func:`parse_checked` takes it (it must not
+        outlive the parse's start: the parse bound counts the text once).
+    :ivar budget: what the parse may still charge for the structure (``_parse_bound``).
+    """
+
+    total: int
+    version: int
+    tables: _Tables | None
+    text: str
+    budget: int
+
+
+def check_prefix(data: bytes | bytearray | memoryview) -> CheckedPrefix:
+    """What every parse checks before it reads the JSON: length, checksum, padding, the
+    tables' sizes and the parse bound.
+
+    :raises IntegrityError: as :func:`parse_prefix`.
+    """
     view = memoryview(data).cast("B")
     total = prefix_nbytes(view)
     if len(view) < total:
@@ -695,15 +720,26 @@ def parse_prefix(data: bytes | bytearray | memoryview) -> FileHeader:
         text = str(json_raw[:unpadded], "ascii")
     except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
         raise IntegrityError(f"header is not ASCII: {exc}") from exc
-    del raw, json_raw
+    return CheckedPrefix(total, version, tables, text, budget)
+
+
+def parse_checked(prefix: CheckedPrefix) -> tuple[FileHeader, int]:
+    """The header of a :func:`check_prefix`-ed prefix, and what its structure charged
+    against the parse bound.
+
+    :raises IntegrityError: as :func:`parse_prefix`.
+    """
+    text, prefix.text = prefix.text, ""
     try:
         doc = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"header is not valid JSON: {exc}") from exc
     del text
-    header = _HeaderParser(total, version, budget, tables).parse(doc)
+    parser = _HeaderParser(prefix.total, prefix.version, prefix.budget, prefix.tables)
+    header = parser.parse(doc)
+    del doc
     promote(len(header.plan.tensors))  # its plan lives as long as the header (astage._gc)
-    return header
+    return header, prefix.budget - parser.budget
 
 
 class BodyVerifier:

@@ -410,6 +410,53 @@ _DOC_KEYS_V3: Final = (_DOC_KEYS - {"storages", "tensors"}) | {"dtensors"}
 _DTENSOR_KEYS: Final = frozenset({"placements", "global_shape"})
 
 
+class _Meta(NamedTuple):
+    """A header's metadata fields, checked: all of it but the tables and the tree."""
+
+    owner_rank: int
+    holder_rank: int | None
+    step: int
+    checkpoint_id: str
+    created: float
+    body_nbytes: int
+
+    @classmethod
+    def of(cls, doc: dict[str, Any]) -> _Meta:
+        checkpoint_id = doc["checkpoint_id"]
+        if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
+            raise _fail("checkpoint_id", f"expected a str of at most {_ID_CAP} characters")
+        created = doc["created"]
+        if type(created) is not float or not math.isfinite(created):
+            raise _fail("created", f"expected a finite float, got {created!r:.40}")
+        holder = doc["holder_rank"]
+        return cls(
+            owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
+            holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
+            step=_int(doc["step"], "step", -_INT64),
+            checkpoint_id=checkpoint_id,
+            created=created,
+            body_nbytes=_int(doc["body_nbytes"], "body_nbytes"),
+        )
+
+    def header(
+        self,
+        prefix_len: int,
+        segments: Segments,
+        plan: StagePlan,
+        dtensors: tuple[DTensorNote | None, ...],
+        version: int,
+    ) -> FileHeader:
+        """The header of a file with this metadata."""
+        return FileHeader(
+            **self._asdict(),
+            prefix_nbytes=prefix_len,
+            segments=segments,
+            plan=plan,
+            dtensors=dtensors,
+            version=version,
+        )
+
+
 def _where(path: KeyPath) -> str:
     return f"tree at {format_key_path(path):.200}"
 
@@ -432,48 +479,35 @@ class _HeaderParser:
         self.namedtuples: dict[tuple[str, tuple[str, ...]], type] = {}
 
     def parse(self, doc: Any) -> FileHeader:
+        doc = self.document(doc)
+        meta = _Meta.of(doc)
         if self.tables is not None:
-            doc = _object(doc, "document", _DOC_KEYS_V3)
-            # From version 3 the JSON field repeats the binary version, which says what may appear.
-            if doc["format"] != self.version or type(doc["format"]) is not int:
-                raise _fail("format", f"expected {self.version}, got {doc['format']!r:.40}")
+            segments, specs, notes = self.tables_v3(self.tables, meta.body_nbytes, doc)
         else:
-            doc = _object(doc, "document", _DOC_KEYS)
-            # The binary version set the parse bound; the JSON one says which nodes may appear.
-            schema = doc["format"]
-            if type(schema) is not int or schema not in (1, 2):
-                raise _fail("format", f"expected one of [1, 2], got {schema!r:.40}")
-            self.version = schema
-        holder = doc["holder_rank"]
-        checkpoint_id = doc["checkpoint_id"]
-        if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
-            raise _fail("checkpoint_id", f"expected a str of at most {_ID_CAP} characters")
-        created = doc["created"]
-        if type(created) is not float or not math.isfinite(created):
-            raise _fail("created", f"expected a finite float, got {created!r:.40}")
-        body_nbytes = _int(doc["body_nbytes"], "body_nbytes")
-        if self.tables is not None:
-            segments, specs, notes = self.tables_v3(self.tables, body_nbytes, doc)
-        else:
-            segments, specs, notes = self.tables_v2(doc, body_nbytes)
+            segments, specs, notes = self.tables_v2(doc, meta.body_nbytes)
         # Equal specs shared, like equal shapes (see _tensor_table._shapes).
         sizes = segments.nbytes.tolist()
         shared = {nbytes: StorageSpec(nbytes, _CPU) for nbytes in set(sizes)}
         storages = tuple(map(shared.__getitem__, sizes))
         plan = StagePlan(specs.root, specs.tensors, storages)
-        return FileHeader(
-            owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
-            holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
-            step=_int(doc["step"], "step", -_INT64),
-            checkpoint_id=checkpoint_id,
-            created=created,
-            body_nbytes=body_nbytes,
-            prefix_nbytes=self.prefix_len,
-            segments=segments,
-            plan=plan,
-            dtensors=notes,
-            version=self.version,
-        )
+        return meta.header(self.prefix_len, segments, plan, notes, self.version)
+
+    def document(self, raw: Any) -> dict[str, Any]:
+        """The document object, its keys and its format field checked."""
+        doc: dict[str, Any]
+        if self.tables is not None:
+            doc = _object(raw, "document", _DOC_KEYS_V3)
+            # From version 3 the JSON field repeats the binary version, which says what may appear.
+            if doc["format"] != self.version or type(doc["format"]) is not int:
+                raise _fail("format", f"expected {self.version}, got {doc['format']!r:.40}")
+        else:
+            doc = _object(raw, "document", _DOC_KEYS)
+            # The binary version set the parse bound; the JSON one says which nodes may appear.
+            schema = doc["format"]
+            if type(schema) is not int or schema not in (1, 2):
+                raise _fail("format", f"expected one of [1, 2], got {schema!r:.40}")
+            self.version = schema
+        return doc
 
     def tables_v2(
         self, doc: dict[str, Any], body_nbytes: int

@@ -63,6 +63,7 @@ from ._format import (
     parse_prefix,
     verify_body,
 )
+from ._header_cache import HeaderCache
 from ._layout_cache import LayoutCache
 from ._limits import INT64
 from ._options import StagingOptions, coerce_options
@@ -259,6 +260,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
         self._inbox = BufferPool(BufferKind.PLAIN)
         # A repeated structure is laid out once (as Checkpointer.save does).
         self._layouts = LayoutCache(self.rank)
+        # And the peer's repeated structure is parsed once (its plan kept: astage._header_cache).
+        self._headers = HeaderCache()
         # Replicas replaced on disk, still to delete (see _retire_previous).
         self._retired: list[Path] = []
         self._lock: anyio.Lock | None = None
@@ -480,7 +483,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         :returns: what was received, its header, and when persisting began and ended.
         A local failure after the exchange is told to the peer before it is raised.
         """
-        sink = _StreamingSink(path, self.recv_from, self._inbox)
+        sink = _StreamingSink(path, self.recv_from, self._inbox, headers=self._headers)
         try:
             received = await self._wire(
                 _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),

@@ -17,6 +17,7 @@ import torch
 
 from ._errors import IntegrityError, PersistError
 from ._format import BodyVerifier, FileHeader, byte_view, parse_prefix
+from ._header_cache import HeaderCache
 from ._persist import CheckpointFileWriter, DirOpener, blocking_io, temp_path_for
 from ._pool import BufferPool, Lease
 
@@ -55,7 +56,8 @@ def _delete(path: Path) -> None:
 class _StreamingSink:
     """Writes and verifies a replica as the transport delivers it.
 
-    The prefix is parsed (in a worker thread) as soon as it lands, and the body is received
+    The prefix is parsed (in a worker thread, through ``headers`` where given: a holder
+    receives the same structure every save) as soon as it lands, and the body is received
     into a buffer of the stager's inbox pool (reused from call to call once nothing
     references the previous replica).  Each body chunk is written to the temp file and
     checked against its storages' checksums while the next ones are still on the wire, so
@@ -66,9 +68,16 @@ class _StreamingSink:
     """
 
     def __init__(
-        self, path: Path, owner_rank: int, inbox: BufferPool, *, open_dir: DirOpener | None = None
+        self,
+        path: Path,
+        owner_rank: int,
+        inbox: BufferPool,
+        *,
+        open_dir: DirOpener | None = None,
+        headers: HeaderCache | None = None,
     ) -> None:
         self.writer = CheckpointFileWriter(path, open_dir=open_dir)
+        self.parse = parse_prefix if headers is None else headers.parse
         self.owner_rank = owner_rank
         self.inbox = inbox
         self.lease: Lease | None = None
@@ -78,7 +87,7 @@ class _StreamingSink:
 
     async def on_prefix(self, prefix: bytes) -> None:
         # An IntegrityError here aborts the transfer: the peer is not speaking our format.
-        header = await anyio.to_thread.run_sync(parse_prefix, prefix)
+        header = await anyio.to_thread.run_sync(self.parse, prefix)
         if header.owner_rank != self.owner_rank:
             raise IntegrityError(
                 f"expected rank {self.owner_rank}'s replica, the header says rank {header.owner_rank}"

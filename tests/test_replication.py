@@ -288,9 +288,9 @@ def advance(state: dict[str, Any], step: int) -> None:
         state["model"]["extra"] = torch.arange(3)
 
 
-async def kept_layout_target(rank: int, world: int, root: str) -> dict[int, dict[str, bool]]:
+async def kept_layout_target(rank: int, world: int, root: str) -> dict[int, dict[str, Any]]:
     peer = 1 - rank
-    out: dict[int, dict[str, bool]] = {}
+    out: dict[int, dict[str, Any]] = {}
     async with astage.ReplicationStager(storage_dir=Path(root) / f"rank{rank}", timeout=30) as rs:
         state, want = state_of(rank), state_of(peer)
         for step in range(1, 5):
@@ -303,6 +303,7 @@ async def kept_layout_target(rank: int, world: int, root: str) -> dict[int, dict
                 "ok": same_state(result.replica, want),
                 "refilled": result.stats.stage.refilled,
                 "walked": kept is not None and kept.copy == result.stats.stage.copy and not kept.fast.guards,
+                "headers reused": rs._headers.reused,
             }
             if kept is not None:
                 # Its plan armed its guards; a check of a chunk that finds none arms one again.
@@ -315,8 +316,11 @@ async def kept_layout_target(rank: int, world: int, root: str) -> dict[int, dict
 def test_repeated_replication_re_uses_the_layout_of_a_refilled_copy(tmp_path: Path) -> None:
     # replicate() encodes each round; a copy the stager refilled in place re-uses the kept
     # layout, walked not re-checked, and every replica is still the peer's exact state.
+    # The holder parses a repeated structure's header with the plan it kept (steps 2 and
+    # 3), and in full when the structure changes (step 4).
     for result in run_group(2, kept_layout_target, str(tmp_path), timeout=90):
         rounds = result.unwrap()
         assert all(rounds[step]["ok"] for step in range(1, 5)), rounds
         assert [rounds[step]["refilled"] for step in range(1, 5)] == [False, True, True, False]
         assert [rounds[step]["walked"] for step in range(2, 4)] == [True, True]
+        assert [rounds[step]["headers reused"] for step in range(1, 5)] == [0, 1, 2, 2]

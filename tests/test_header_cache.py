@@ -1,0 +1,194 @@
+"""A holder parses a repeated structure's header once: what it re-uses, and what it never does."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import crc32c
+import pytest
+import torch
+
+import astage
+from astage._format import FIXED_PREFIX_NBYTES, FORMAT_VERSION, encode, parse_prefix
+from astage._format_spec import ALIGNMENT, MAGIC
+from astage._header_cache import HeaderCache
+
+
+def state(**changes: Any) -> dict[str, Any]:
+    """A model-like state of 300 tensors in runs and small dicts, plus leaves."""
+    out: dict[str, Any] = {
+        "model": {f"w{i}": torch.randn(3, 4) for i in range(200)},
+        "optim": {
+            "state": {i: {"exp_avg": torch.randn(5), "step": torch.tensor(1.0)} for i in range(50)},
+            "param_groups": [{"lr": 0.1, "params": list(range(50))}],
+        },
+    }
+    out.update(changes)
+    return out
+
+
+def prefix(tree: Any, **meta: Any) -> bytes:
+    return encode(tree, **{"owner_rank": 1, "step": 1, "checkpoint_id": "c", **meta}).prefix
+
+
+def forge(data: bytes, edit: Callable[[bytes], bytes]) -> bytes:
+    """``data``'s prefix with its header ``edit``-ed, checksum and alignment made right."""
+    header_len = struct.unpack_from("<Q", data, 12)[0]
+    header = edit(data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len])
+    head = MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(header)) + header
+    head += struct.pack("<I", crc32c.crc32c(head))
+    return head + bytes(-len(head) % ALIGNMENT)
+
+
+def assert_parsed_as_in_full(cache: HeaderCache, data: bytes) -> None:
+    assert cache.parse(data) == parse_prefix(data)
+
+
+def test_a_repeated_structure_is_parsed_with_the_kept_plan_and_reads_as_a_full_parse() -> None:
+    cache, tree = HeaderCache(), state()
+    first = cache.parse(prefix(tree))
+    metas: list[dict[str, Any]] = [
+        {"step": 2, "checkpoint_id": "a much longer checkpoint id", "created": 1.5},
+        {"step": -(2**63), "checkpoint_id": "", "holder_rank": 0, "created": 1e300},
+        # A quote, an escape and the tree's own key inside the id: only escaped text.
+        {"step": 10**12, "checkpoint_id": 'x","dtensors":[],"tree":{"a":1},"é\\', "owner_rank": 1},
+    ]
+    for meta in metas:
+        for t in tree["model"].values():
+            t.add_(1)  # new data: new checksums
+        data = prefix(tree, **meta)
+        header = cache.parse(data)
+        assert header == parse_prefix(data)
+        assert header.plan is first.plan  # re-used, not rebuilt
+        assert list(header.segments.crcs) != list(first.segments.crcs)
+    assert cache.reused == len(metas)
+
+
+CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "reshape": lambda s: s["model"].update(w3=s["model"]["w3"].view(4, 3)),
+    "dtype": lambda s: s["model"].update(w3=s["model"]["w3"].double()),
+    "same-size dtype": lambda s: s["model"].update(w3=s["model"]["w3"].view(torch.int32)),
+    "new key": lambda s: s["model"].update(extra=torch.zeros(2)),
+    "removed key": lambda s: s["model"].pop("w7"),
+    "renamed key": lambda s: s["model"].update(v7=s["model"].pop("w7")),
+    "key order": lambda s: s.update(model=dict(reversed(list(s["model"].items())))),
+    "storage becomes shared": lambda s: s["model"].update(w5=s["model"]["w4"][1]),
+    "transposed": lambda s: s["model"].update(w3=s["model"]["w3"].t()),
+    "requires_grad": lambda s: s["model"]["w3"].requires_grad_(True),
+    "leaf value": lambda s: s["optim"]["param_groups"][0].update(lr=0.2),
+    "leaf type": lambda s: s["optim"]["param_groups"][0].update(lr=1),
+    "list to tuple": lambda s: s["optim"]["param_groups"][0].update(params=tuple(range(50))),
+    "same bytes, other sizes": lambda s: s["model"].update(w3=torch.randn(6, 2)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_structure_is_parsed_in_full(change: str) -> None:
+    cache, tree = HeaderCache(), state()
+    kept = cache.parse(prefix(tree))
+    CHANGES[change](tree)
+    data = prefix(tree, step=2)
+    header = cache.parse(data)
+    assert header == parse_prefix(data)
+    assert header.plan is not kept.plan
+    assert header.plan != kept.plan
+    assert cache.reused == 0
+    assert cache.parse(prefix(tree, step=3)).plan is header.plan  # and kept for the next one
+
+
+HOSTILE_META: dict[str, tuple[bytes, bytes]] = {
+    "owner rank": (b'"owner_rank":1,', b'"owner_rank":-1,'),
+    "created not a float": (b'"created":1.5,', b'"created":2,'),
+    "format": (b'"format":4,', b'"format":3,'),
+    "format as a float": (b'"format":4,', b'"format":4.0,'),
+    "holder rank": (b'"holder_rank":null,', b'"holder_rank":"0",'),
+    "duplicate meta key": (b'"step":2,', b'"step":2,"step":3,'),
+    "unknown meta key": (b'"step":2,', b'"step":2,"extra":0,'),
+    "body size": (b'"body_nbytes":', b'"body_nbytes":1'),
+    "NaN": (b'"created":1.5,', b'"created":NaN,'),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_META))
+def test_bad_metadata_over_a_kept_structure_raises_as_a_full_parse_does(case: str) -> None:
+    old, new = HOSTILE_META[case]
+    cache, tree = HeaderCache(), state()
+    cache.parse(prefix(tree, created=1.5))
+    data = prefix(tree, step=2, created=1.5)
+    assert old in data
+    bad = forge(data, lambda header: header.replace(old, new, 1))
+    with pytest.raises(astage.IntegrityError) as full:
+        parse_prefix(bad)
+    with pytest.raises(astage.IntegrityError) as cached:
+        cache.parse(bad)
+    assert str(cached.value) == str(full.value)
+    assert cache.reused == 0
+    assert_parsed_as_in_full(cache, data)  # the kept plan is still good
+
+
+def test_a_damaged_table_or_tree_over_a_kept_structure_raises_as_a_full_parse_does() -> None:
+    cache, tree = HeaderCache(), state()
+    cache.parse(prefix(tree))
+    data = prefix(tree, step=2)
+    for damage in (
+        lambda h: h.replace(b'"w199"', b'"w0"', 1),  # a duplicate key in the tree
+        lambda h: h.replace(b'"w199"', b'"w19', 1),  # not JSON
+        lambda h: h[:32] + bytes([h[32] ^ 1]) + h[33:],  # the first tensor record
+    ):
+        bad = forge(data, damage)
+        with pytest.raises(astage.IntegrityError) as full:
+            parse_prefix(bad)
+        with pytest.raises(astage.IntegrityError) as cached:
+            cache.parse(bad)
+        assert str(cached.value) == str(full.value)
+    assert cache.reused == 0
+
+
+def test_a_kept_structure_with_too_little_padding_is_refused_as_too_dense() -> None:
+    # The padding buys the parse's charges for the structure (key paths, here 300 tensors
+    # 60 containers deep).  With just enough padding to pass the check before parsing, a
+    # full parse runs out on those charges; a kept plan must not let the header by.
+    tree: Any = {f"t{i}": torch.zeros(1) for i in range(300)}
+    for _ in range(60):
+        tree = {"x": tree}
+    cache = HeaderCache()
+    cache.parse(prefix(tree))
+    data = prefix(tree, step=2)
+    header_len = struct.unpack_from("<Q", data, 12)[0]
+    unpadded = data[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len].rstrip(b" ")
+    messages = []
+    for spaces in range(0, header_len - len(unpadded), 256):
+        short = forge(data, lambda _: unpadded + b" " * spaces)  # noqa: B023 (called at once)
+        try:
+            parse_prefix(short)
+        except astage.IntegrityError as exc:
+            messages.append(str(exc))
+        else:
+            break
+        with pytest.raises(astage.IntegrityError) as cached:
+            cache.parse(short)
+        assert str(cached.value) == messages[-1]
+    # The last refusal came from the structure's charges, after the check before parsing.
+    assert "more than its bound (_parse_cost)" in messages[-1]
+    assert cache.reused == 0
+    assert_parsed_as_in_full(cache, data)
+
+
+def test_a_header_not_written_by_the_encoder_is_always_parsed_in_full() -> None:
+    # Valid, but with its members in another order: nothing is kept, nothing re-used.
+    cache = HeaderCache()
+    data = prefix(state())
+
+    def reorder(header: bytes) -> bytes:
+        tables_end = header.index(b'{"format"')
+        doc = json.loads(header[tables_end:])
+        text = json.dumps(dict(reversed(list(doc.items()))), separators=(",", ":")).encode()
+        return header[:tables_end] + text + b" " * (len(header) - tables_end - len(text))
+
+    odd = forge(data, reorder)
+    for _ in range(3):
+        assert_parsed_as_in_full(cache, odd)
+    assert cache.reused == 0
