@@ -37,6 +37,7 @@ from astage._format import (
     STORAGE_RECORD,
     TENSOR_RECORD,
     BodyVerifier,
+    Segments,
     decode,
     encode,
     parse_prefix,
@@ -604,12 +605,16 @@ def _verdict(check: Callable[[], None]) -> str:
     return "ok"
 
 
+@pytest.mark.parametrize("piece", [1 << 20, 1000, 100, 64, 7])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=0, max_size=3))
-def test_a_whole_body_is_judged_as_a_streamed_one(flips: list[tuple[int, int]]) -> None:
+def test_a_whole_body_is_judged_as_a_streamed_one(piece: int, flips: list[tuple[int, int]]) -> None:
     # verify_body checks all gaps at once; its verdict, first fault first, must be the
-    # streaming verifier's (a gap before a storage is checked before that storage's crc).
+    # streaming verifier's (a gap before a storage is checked before that storage's crc),
+    # however the pieces fall: storages whole in a piece are checked in bulk, those that
+    # straddle two one by one.
     state = {f"t{i}": torch.arange(i % 5 + 1, dtype=torch.int8) for i in range(40)}
+    state |= {f"wide{i}": torch.arange(i * 9, dtype=torch.int16) for i in range(8)}
     data = bytearray(replica_bytes(state))
     header = parse_prefix(bytes(data))
     damage = {at % header.body_nbytes: mask for at, mask in flips}  # distinct bytes, each changed
@@ -617,8 +622,43 @@ def test_a_whole_body_is_judged_as_a_streamed_one(flips: list[tuple[int, int]]) 
         data[header.prefix_nbytes + at] ^= mask
     body = torch.frombuffer(data[header.prefix_nbytes :], dtype=torch.uint8)
     whole = _verdict(lambda: verify_body(header, body))
-    assert whole == _verdict(lambda: _streamed(bytes(data), 1 << 20))
+    assert whole == _verdict(lambda: _streamed(bytes(data), piece))
     assert (whole == "ok") == (not flips)
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 100, 7])
+def test_a_dirty_gap_is_named_before_a_bad_checksum_of_the_storage_after_it(piece: int) -> None:
+    state = {f"t{i}": torch.arange(i % 5 + 1, dtype=torch.int8) for i in range(40)}
+    data = bytearray(replica_bytes(state))
+    header = parse_prefix(bytes(data))
+    k = 30
+    offset = int(header.segments.offsets[k])
+    assert offset > int(header.segments.offsets[k - 1] + header.segments.nbytes[k - 1])  # a gap before it
+    data[header.prefix_nbytes + offset - 1] ^= 1  # the gap's last byte
+    data[header.prefix_nbytes + offset] ^= 1  # and the storage's first
+    body = torch.frombuffer(data[header.prefix_nbytes :], dtype=torch.uint8)
+    whole = _verdict(lambda: verify_body(header, body))
+    assert whole == _verdict(lambda: _streamed(bytes(data), piece)) == f"non-zero padding before storage {k}"
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1 << 20])
+def test_storages_listed_out_of_body_order_are_refused_alike_whole_or_streamed(piece: int) -> None:
+    # Only a header made by hand lists its storages out of body order (a parsed one never
+    # does); the streaming verifier then checks them one by one, and refuses as a whole check.
+    data = replica_bytes(SMALL)
+    header = parse_prefix(data)
+    s = header.segments
+    odd = dataclasses.replace(header, segments=Segments(s.offsets[::-1], s.nbytes[::-1], s.crcs[::-1]))
+    body = data[header.prefix_nbytes :]
+    whole = _verdict(lambda: verify_body(odd, torch.frombuffer(bytearray(body), dtype=torch.uint8)))
+    verifier = BodyVerifier(odd)
+
+    def streamed() -> None:
+        for start in range(0, len(body), piece):
+            verifier.update(body[start : start + piece])
+        verifier.finish()
+
+    assert whole == _verdict(streamed) == "non-zero padding before storage 0"
 
 
 def test_a_streamed_body_of_the_wrong_length_is_rejected() -> None:
