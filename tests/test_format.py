@@ -1301,3 +1301,29 @@ def test_a_dtensor_note_on_an_ndarray_is_an_integrity_error() -> None:
     note = parse_prefix(_json_edit(state, lambda doc: doc.update(dtensors=[[1, "p", [4]]]))).dtensors[1]
     assert note is not None
     assert (note.placements, note.global_shape) == ("p", (4,))
+
+
+@pytest.mark.parametrize("batch", [1 << 20, 16, 1])
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40), st.booleans()), min_size=1, max_size=30))
+def test_gaps_are_judged_dirty_exactly_in_batches_of_any_size(
+    batch: int, gaps: list[tuple[int, int, bool]]
+) -> None:
+    # Each gap: how far after the previous one it starts, its length, and whether one of
+    # its bytes is non-zero; every byte outside the gaps is non-zero (a storage's).
+    body = np.full(sum(skip + n for skip, n, _ in gaps) + 1, 7, np.uint8)
+    starts, ends, want = [], [], []
+    at = 0
+    for skip, n, dirty in gaps:
+        start = at + skip
+        body[start : start + n] = 0
+        if dirty:
+            body[start + (skip * 7 + n) % n] = 1
+        starts.append(start)
+        ends.append(start + n)
+        want.append(dirty)
+        at = start + n
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(astage._format, "_GAP_GATHER_BYTES", batch)
+        got = astage._format._dirty_gaps(body, np.array(starts), np.array(ends))
+    assert got.tolist() == want
