@@ -132,6 +132,83 @@ async def test_a_released_copy_changed_by_its_holder_is_not_refilled() -> None:
         assert_faithful(again, sd)
 
 
+def _set_elsewhere(staged: dict[str, Any]) -> None:
+    t = staged["b"]
+    t.set_(torch.zeros(4).untyped_storage(), 0, t.shape, t.stride())  # same metadata
+
+
+def _set_at_an_offset(staged: dict[str, Any]) -> None:
+    # Within its own buffer, one element on: the same metadata but for the offset.
+    t = staged["a"]
+    t.set_(t.untyped_storage(), 0, (2,), (1,))
+    t.set_(t.untyped_storage(), 1, (2,), (1,))
+
+
+def _swap_in_a_copy_of_another_stage(staged: dict[str, Any], other: dict[str, Any]) -> None:
+    staged["b"] = other["b"]
+
+
+def _resize_a_buffer(staged: dict[str, Any]) -> None:
+    staged["a"].untyped_storage().resize_(64)
+
+
+HOLDER_CHANGES: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    "set_ to another storage": lambda staged, _: _set_elsewhere(staged),
+    "set_ at another offset": lambda staged, _: _set_at_an_offset(staged),
+    "a tensor of another copy": _swap_in_a_copy_of_another_stage,
+    "buffer resized": lambda staged, _: _resize_a_buffer(staged),
+}
+
+
+@pytest.mark.parametrize("change", list(HOLDER_CHANGES))
+async def test_a_copy_released_again_after_its_holder_changed_it_is_not_refilled(change: str) -> None:
+    # The first release checks a copy whole and records it; a later release of the same
+    # copy is checked against that record.  A change the holder made between the two,
+    # metadata kept, must still keep the copy from being refilled.
+    sd = {"a": torch.arange(3.0), "b": torch.ones(2, 2)}
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        assert await stager.stage(sd) is staged  # refilled: the record holds
+        await stager.release(staged)
+        assert await stager.stage(sd) is staged
+        other = await stager.stage(sd)
+        HOLDER_CHANGES[change](staged, other)
+        # Held here, these storages cannot go back to the pool: nothing may write them.
+        held = [t.untyped_storage() for t in tensors_of(staged)]
+        before = [bytes(s) for s in held]
+        if change == "set_ to another storage":  # no copy of this stager's any more
+            with pytest.raises(UnsupportedInputError, match="did not stage"):
+                await stager.release(staged)
+        else:
+            await stager.release(staged)
+        assert stager.pool_stats().kept_bytes == 0, "a changed copy was kept"
+        with torch.no_grad():
+            for t in sd.values():
+                t.add_(10)
+        again = await stager.stage(sd)
+        assert again is not staged
+        assert_faithful(again, sd)
+        assert [bytes(s) for s in held] == before, "a storage the caller holds was written"
+
+
+async def test_a_copy_released_again_unchanged_is_kept_without_a_full_check() -> None:
+    sd = {f"k{i}": torch.full((4,), float(i)) for i in range(300)}
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        record = stager._released  # made by the full check
+        assert record is not None
+        for _ in range(3):
+            assert await stager.stage(sd) is staged
+            await stager.release(staged)
+            assert stager._released is record  # recognised by its record, not checked again
+            assert stager.pool_stats().kept_bytes == 300 * 16
+        with torch.no_grad():
+            sd["k7"].fill_(-1)
+        assert_faithful(await stager.stage(sd), sd)
+
+
 async def test_aclose_drops_the_kept_copy() -> None:
     sd = {"a": torch.randn(1000)}
     stager = DefaultStager()
