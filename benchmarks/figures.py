@@ -60,7 +60,9 @@ def _by_case(results: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _title(case: str, first: dict[str, Any]) -> str:
-    return f"{case}: {first['bytes'] / 1e6:.1f} MB, {first['tensors']} tensors"
+    # bench_replication's restore case records bytes only (a lost rank's whole state).
+    tensors = first.get("tensors")
+    return f"{case}: {first['bytes'] / 1e6:.1f} MB" + ("" if tensors is None else f", {tensors} tensors")
 
 
 def draw_staging(payload: dict[str, Any], out: Path) -> None:
