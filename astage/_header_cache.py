@@ -24,7 +24,7 @@ from typing import Final
 from ._errors import IntegrityError
 from ._format import CheckedPrefix, FileHeader, Segments, check_prefix, parse_checked
 from ._gc import without_gc
-from ._header_tree import _Meta, _reject_constant, _unique_keys
+from ._header_tree import _meta, _reject_constant, _unique_keys
 
 log = logging.getLogger("astage.format")
 
@@ -127,14 +127,21 @@ def _reuse(kept: _Kept, prefix: CheckedPrefix) -> FileHeader | None:
             return None
         if doc["format"] != prefix.version or type(doc["format"]) is not int:
             return None
-        meta = _Meta.of(doc)
+        meta = _meta(doc)
     except (ValueError, RecursionError, IntegrityError):
         return None  # the full parse raises its own error
     old = kept.header
-    if meta.body_nbytes != old.body_nbytes:
+    if meta["body_nbytes"] != old.body_nbytes:
         return None
     assert prefix.tables is not None
     records = prefix.tables.storages
     segments = Segments(records["offset"], records["nbytes"], records["crc32c"])
-    log.debug("header of step %d parsed with the kept plan of step %d", meta.step, old.step)
-    return meta.header(prefix.total, segments, old.plan, old.dtensors, prefix.version)
+    log.debug("header of step %d parsed with the kept plan of step %d", meta["step"], old.step)
+    return FileHeader(
+        **meta,
+        prefix_nbytes=prefix.total,
+        segments=segments,
+        plan=old.plan,
+        dtensors=old.dtensors,
+        version=prefix.version,
+    )

@@ -410,51 +410,24 @@ _DOC_KEYS_V3: Final = (_DOC_KEYS - {"storages", "tensors"}) | {"dtensors"}
 _DTENSOR_KEYS: Final = frozenset({"placements", "global_shape"})
 
 
-class _Meta(NamedTuple):
-    """A header's metadata fields, checked: all of it but the tables and the tree."""
-
-    owner_rank: int
-    holder_rank: int | None
-    step: int
-    checkpoint_id: str
-    created: float
-    body_nbytes: int
-
-    @classmethod
-    def of(cls, doc: dict[str, Any]) -> _Meta:
-        checkpoint_id = doc["checkpoint_id"]
-        if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
-            raise _fail("checkpoint_id", f"expected a str of at most {_ID_CAP} characters")
-        created = doc["created"]
-        if type(created) is not float or not math.isfinite(created):
-            raise _fail("created", f"expected a finite float, got {created!r:.40}")
-        holder = doc["holder_rank"]
-        return cls(
-            owner_rank=_int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
-            holder_rank=None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
-            step=_int(doc["step"], "step", -_INT64),
-            checkpoint_id=checkpoint_id,
-            created=created,
-            body_nbytes=_int(doc["body_nbytes"], "body_nbytes"),
-        )
-
-    def header(
-        self,
-        prefix_len: int,
-        segments: Segments,
-        plan: StagePlan,
-        dtensors: tuple[DTensorNote | None, ...],
-        version: int,
-    ) -> FileHeader:
-        """The header of a file with this metadata."""
-        return FileHeader(
-            **self._asdict(),
-            prefix_nbytes=prefix_len,
-            segments=segments,
-            plan=plan,
-            dtensors=dtensors,
-            version=version,
-        )
+def _meta(doc: dict[str, Any]) -> dict[str, Any]:
+    """A header's metadata fields, checked, as :class:`FileHeader` keywords: all of it but
+    the tables and the tree."""
+    checkpoint_id = doc["checkpoint_id"]
+    if type(checkpoint_id) is not str or len(checkpoint_id) > _ID_CAP:
+        raise _fail("checkpoint_id", f"expected a str of at most {_ID_CAP} characters")
+    created = doc["created"]
+    if type(created) is not float or not math.isfinite(created):
+        raise _fail("created", f"expected a finite float, got {created!r:.40}")
+    holder = doc["holder_rank"]
+    return {
+        "owner_rank": _int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
+        "holder_rank": None if holder is None else _int(holder, "holder_rank", 0, _RANK_LIMIT),
+        "step": _int(doc["step"], "step", -_INT64),
+        "checkpoint_id": checkpoint_id,
+        "created": created,
+        "body_nbytes": _int(doc["body_nbytes"], "body_nbytes"),
+    }
 
 
 def _where(path: KeyPath) -> str:
@@ -480,17 +453,24 @@ class _HeaderParser:
 
     def parse(self, doc: Any) -> FileHeader:
         doc = self.document(doc)
-        meta = _Meta.of(doc)
+        meta = _meta(doc)
         if self.tables is not None:
-            segments, specs, notes = self.tables_v3(self.tables, meta.body_nbytes, doc)
+            segments, specs, notes = self.tables_v3(self.tables, meta["body_nbytes"], doc)
         else:
-            segments, specs, notes = self.tables_v2(doc, meta.body_nbytes)
+            segments, specs, notes = self.tables_v2(doc, meta["body_nbytes"])
         # Equal specs shared, like equal shapes (see _tensor_table._shapes).
         sizes = segments.nbytes.tolist()
         shared = {nbytes: StorageSpec(nbytes, _CPU) for nbytes in set(sizes)}
         storages = tuple(map(shared.__getitem__, sizes))
         plan = StagePlan(specs.root, specs.tensors, storages)
-        return meta.header(self.prefix_len, segments, plan, notes, self.version)
+        return FileHeader(
+            **meta,
+            prefix_nbytes=self.prefix_len,
+            segments=segments,
+            plan=plan,
+            dtensors=notes,
+            version=self.version,
+        )
 
     def document(self, raw: Any) -> dict[str, Any]:
         """The document object, its keys and its format field checked."""

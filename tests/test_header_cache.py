@@ -47,6 +47,14 @@ def assert_parsed_as_in_full(cache: HeaderCache, data: bytes) -> None:
     assert cache.parse(data) == parse_prefix(data)
 
 
+def assert_refused_as_in_full(cache: HeaderCache, data: bytes) -> None:
+    with pytest.raises(astage.IntegrityError) as full:
+        parse_prefix(data)
+    with pytest.raises(astage.IntegrityError) as cached:
+        cache.parse(data)
+    assert str(cached.value) == str(full.value)
+
+
 def test_a_repeated_structure_is_parsed_with_the_kept_plan_and_reads_as_a_full_parse() -> None:
     cache, tree = HeaderCache(), state()
     first = cache.parse(prefix(tree))
@@ -119,12 +127,7 @@ def test_bad_metadata_over_a_kept_structure_raises_as_a_full_parse_does(case: st
     cache.parse(prefix(tree, created=1.5))
     data = prefix(tree, step=2, created=1.5)
     assert old in data
-    bad = forge(data, lambda header: header.replace(old, new, 1))
-    with pytest.raises(astage.IntegrityError) as full:
-        parse_prefix(bad)
-    with pytest.raises(astage.IntegrityError) as cached:
-        cache.parse(bad)
-    assert str(cached.value) == str(full.value)
+    assert_refused_as_in_full(cache, forge(data, lambda header: header.replace(old, new, 1)))
     assert cache.reused == 0
     assert_parsed_as_in_full(cache, data)  # the kept plan is still good
 
@@ -138,12 +141,7 @@ def test_a_damaged_table_or_tree_over_a_kept_structure_raises_as_a_full_parse_do
         lambda h: h.replace(b'"w199"', b'"w19', 1),  # not JSON
         lambda h: h[:32] + bytes([h[32] ^ 1]) + h[33:],  # the first tensor record
     ):
-        bad = forge(data, damage)
-        with pytest.raises(astage.IntegrityError) as full:
-            parse_prefix(bad)
-        with pytest.raises(astage.IntegrityError) as cached:
-            cache.parse(bad)
-        assert str(cached.value) == str(full.value)
+        assert_refused_as_in_full(cache, forge(data, damage))
     assert cache.reused == 0
 
 
