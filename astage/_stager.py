@@ -592,8 +592,10 @@ class DefaultStager(anyio.abc.AsyncResource):
 
         A copy of the structure the stager staged last is kept whole, and the next stage of
         that structure refills it in place and returns the same tree (nothing is allocated
-        or rebuilt); a reference to it kept past this call sees that later checkpoint.  Any
-        other copy's tensors are emptied (``set_()``) and its buffers go back to the pool.
+        or rebuilt); a reference to it kept past this call sees that later checkpoint, and
+        must not change it (the stager owns it now: a tensor or container swapped into it
+        after this call would be returned as is, not refilled).  Any other copy's tensors
+        are emptied (``set_()``) and its buffers go back to the pool.
         A copy that is not released is never overwritten; its buffers come back on their own
         once every reference to it is dropped.  Releasing a copy again does nothing; on a
         closed stager this does nothing either, as closing let go of every buffer.
