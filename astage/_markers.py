@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import crc32c
+import numpy as np
 
 from ._directory import rank_file_names
 from ._errors import IntegrityError
-from ._format import FileHeader
+from ._format import Encoded, FileHeader
 from ._limits import INT64, RANK_LIMIT
 from ._persist import inspect_checkpoint_file, load_checkpoint_file_sync, open_regular
 
@@ -71,10 +72,31 @@ def marker_crc32c(body: dict[str, Any]) -> int:
     return int(crc32c.crc32c(canonical.encode("ascii")))
 
 
+_TABLE_ENTRY: Final = np.dtype([("offset", "<u8"), ("nbytes", "<u8"), ("crc32c", "<u4")])
+"""One storage's entry in :func:`storages_crc32c`: ``struct`` ``"<QQI"``, 20 bytes, packed."""
+
+
 def storages_crc32c(header: FileHeader) -> int:
     """A checksum of a replica's storage table (offsets, lengths and their crc32c)."""
-    table = b"".join(struct.pack("<QQI", s.offset, s.nbytes, s.crc32c) for s in header.segments)
-    return int(crc32c.crc32c(struct.pack("<Q", header.body_nbytes) + table))
+    segments = header.segments
+    return _table_crc32c(header.body_nbytes, segments.offsets, segments.nbytes, segments.crcs)
+
+
+def encoded_storages_crc32c(encoded: Encoded) -> int:
+    """:func:`storages_crc32c` of ``encoded``'s header, from the columns it was encoded
+    from: no parse of the header (on 20,000 tensors the parse and a record a storage held
+    the event loop ~34 ms in a save's background)."""
+    layout = encoded.layout
+    if layout is None:
+        return storages_crc32c(encoded.header)
+    table = layout.storage_table
+    return _table_crc32c(encoded.body_nbytes, table["offset"], table["nbytes"], np.asarray(encoded.crcs))
+
+
+def _table_crc32c(body_nbytes: int, offsets: Any, nbytes: Any, crcs: Any) -> int:
+    table = np.empty(len(offsets), _TABLE_ENTRY)
+    table["offset"], table["nbytes"], table["crc32c"] = offsets, nbytes, crcs
+    return int(crc32c.crc32c(struct.pack("<Q", body_nbytes) + table.tobytes()))
 
 
 def _expect_int(doc: dict[str, Any], key: str, lo: int, hi: int) -> int:

@@ -27,7 +27,7 @@ from ._errors import AstageError
 from ._format import Encoded, FileLayout
 from ._frames import drop_frames, frames_dropped
 from ._layout_cache import LayoutCache, PendingLayout
-from ._markers import FileEntry, Marker, storages_crc32c
+from ._markers import FileEntry, Marker, encoded_storages_crc32c
 from ._persist import blocking_io, write_checkpoint_file
 from ._retention import discard_uncommitted
 from ._stager import AsyncStager, StageStats
@@ -203,7 +203,7 @@ class Persister:
     async def _write_local(self, job: Job, encoded: Encoded, begin: float) -> FileEntry:
         """Write this rank's file durably (not yet committed)."""
         try:
-            entry = FileEntry(self._data_name, encoded.total_nbytes, storages_crc32c(encoded.header))
+            entry = FileEntry(self._data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
             job.written = True  # from here on, a file may exist that must not outlive a failure
             await write_checkpoint_file(
                 self._directory / step_dir_name(job.step) / self._data_name,
