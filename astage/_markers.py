@@ -87,7 +87,7 @@ def encoded_storages_crc32c(encoded: Encoded) -> int:
     from: no parse of the header (on 20,000 tensors the parse and a record a storage held
     the event loop ~34 ms in a save's background)."""
     layout = encoded.layout
-    if layout is None:
+    if layout is None or len(encoded.crcs) != len(layout.storage_table):
         return storages_crc32c(encoded.header)
     table = layout.storage_table
     return _table_crc32c(encoded.body_nbytes, table["offset"], table["nbytes"], np.asarray(encoded.crcs))

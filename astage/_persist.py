@@ -302,7 +302,7 @@ _EMPTY: Final = memoryview(b"")
 
 def _batches(data: BytesLike | Iterable[BytesLike], chunk_nbytes: int) -> Iterator[list[memoryview]]:
     """Group buffers into lists of at most ``chunk_nbytes`` bytes (big ones are split) and
-    :data:`_IOV_MAX` buffers.
+    :data:`_BATCH_BUFFERS` buffers.
 
     The grouping runs on the caller's thread (the event loop, for an async writer), about
     a microsecond a buffer: a file of 20,000 small storages is 40,000 buffers in one chunk,
