@@ -783,10 +783,10 @@ class BodyVerifier:
     second pass over it is needed.  CPU-bound (checksums): async callers run it in a worker
     thread.
 
-    The storages that lie whole in a piece are checked in bulk, as :func:`verify_body`
-    checks a whole body (their gaps in one numpy pass, their checksums in one C-speed
-    pipeline), with the same first error; a storage that straddles two pieces is checked
-    byte-range by byte-range, its checksum carried over.
+    The storages that lie whole in a piece are checked in bulk (their gaps in one numpy
+    pass, their checksums in one C-speed pipeline), with the same first error as one by
+    one; a storage that straddles two pieces is checked byte-range by byte-range, its
+    checksum carried over.  :func:`verify_body` is this verifier fed one piece.
     """
 
     def __init__(self, header: FileHeader) -> None:
@@ -908,8 +908,34 @@ _GAP_GATHER_BYTES: Final = 1 << 20
 
 def _dirty_gaps(body: np.ndarray[Any, Any], starts: np.ndarray[Any, Any], ends: np.ndarray[Any, Any]) -> Any:
     """Whether each gap ``[starts[i], ends[i])`` of ``body`` (all non-empty, in order, not
-    overlapping) holds a non-zero byte: their bytes gathered, a batch at a time, and
-    reduced a gap each, with no pass over the storages' bytes between them."""
+    overlapping) holds a non-zero byte, with no pass over the storages' bytes between them.
+
+    A gap inside one :data:`ALIGNMENT`-byte block of ``body`` (every gap of a parsed
+    header, where the body or piece starts on a block) is read as that block's row, masked
+    to the gap: one gather of rows for all of them.  Any other gap's bytes are gathered
+    and reduced a gap each.
+    """
+    out = np.zeros(len(starts), bool)
+    whole = len(body) // ALIGNMENT * ALIGNMENT
+    rows = starts // ALIGNMENT
+    in_block = (rows == (ends - 1) // ALIGNMENT) & (ends <= whole)
+    inside = np.flatnonzero(in_block)
+    if len(inside):
+        blocks = body[:whole].reshape(-1, ALIGNMENT)
+        columns = np.arange(ALIGNMENT)
+        lo, hi = (starts[inside] % ALIGNMENT)[:, None], (ends[inside] - rows[inside] * ALIGNMENT)[:, None]
+        out[inside] = ((blocks[rows[inside]] != 0) & (columns >= lo) & (columns < hi)).any(axis=1)
+    rest = np.flatnonzero(~in_block)
+    if len(rest):
+        out[rest] = _gathered_dirty_gaps(body, starts[rest], ends[rest])
+    return out
+
+
+def _gathered_dirty_gaps(
+    body: np.ndarray[Any, Any], starts: np.ndarray[Any, Any], ends: np.ndarray[Any, Any]
+) -> Any:
+    """:func:`_dirty_gaps` for any gaps: their bytes gathered, a batch at a time, and
+    reduced a gap each."""
     lengths = ends - starts
     ahead = np.cumsum(lengths)  # gap bytes up to and including each gap
     out = np.zeros(len(lengths), bool)
@@ -941,59 +967,11 @@ def verify_body(header: FileHeader, body: torch.Tensor) -> None:
     view = byte_view(body)
     if len(view) != header.body_nbytes:
         raise IntegrityError(f"body is {len(view)} bytes, the header says {header.body_nbytes}")
-    segments = header.segments
-    dirty = _first_dirty_gap(np.frombuffer(view, np.uint8), segments)
-    if dirty < 0:  # segments out of order: only a header made by hand; check it streaming
-        verifier = BodyVerifier(header)
-        verifier.update(view)
-        verifier.finish()
-        return
-    # The same checks as BodyVerifier, and the same first error: the gap before a storage,
-    # then its checksum.  The gaps are checked all at once, the checksums in one C-speed
-    # pipeline (no Python step a storage) and compared as a column.
-    starts = segments.offsets.tolist()
-    slices = map(slice, starts, (segments.offsets + segments.nbytes).tolist())
-    pieces: Iterator[memoryview] = map(view.__getitem__, slices)
-    crcs = np.fromiter(map(crc32c.crc32c, pieces), np.int64, len(segments))
-    mismatched = np.flatnonzero(crcs != segments.crcs)
-    index = int(mismatched[0]) if len(mismatched) else len(segments)
-    if dirty <= index and dirty < len(segments):
-        raise IntegrityError(f"non-zero padding before storage {dirty}")
-    if index < len(segments):
-        raise IntegrityError(f"checksum mismatch in storage {index} (body bytes from {starts[index]})")
-
-
-_GAP_BLOCK: Final = 1 << 14
-"""Storages whose gaps :func:`_first_dirty_gap` gathers at once (1 MiB of blocks)."""
-
-
-def _first_dirty_gap(body: np.ndarray[Any, Any], segments: Segments) -> int:
-    """The first storage preceded by a non-zero byte, ``len(segments)`` if none, or -1 if
-    the segments are not in order on aligned offsets (as every parsed header's are).
-
-    A gap is then the tail of one :data:`ALIGNMENT`-byte block of the body: the blocks of
-    a batch of storages are gathered as rows and masked at once, with no Python step a gap
-    (a Python ``any()`` a gap costs more than the checksum of a small storage).
-    """
-    offsets, nbytes = segments.offsets, segments.nbytes
-    gap_starts = np.zeros(len(segments), np.int64)
-    gap_starts[1:] = offsets[:-1] + nbytes[:-1]
-    lengths = offsets - gap_starts
-    if (lengths < 0).any() or (lengths >= ALIGNMENT).any() or (offsets + nbytes > len(body)).any():
-        return -1
-    gapped = np.flatnonzero(lengths)
-    if (offsets[gapped] % ALIGNMENT).any():
-        return -1
-    blocks = body[: len(body) // ALIGNMENT * ALIGNMENT].reshape(-1, ALIGNMENT)
-    columns = np.arange(ALIGNMENT)
-    for first in range(0, len(gapped), _GAP_BLOCK):
-        which = gapped[first : first + _GAP_BLOCK]
-        starts = gap_starts[which]
-        rows = blocks[starts // ALIGNMENT]
-        dirty = ((rows != 0) & (columns >= (starts % ALIGNMENT)[:, None])).any(axis=1)
-        if dirty.any():
-            return int(which[np.argmax(dirty)])
-    return len(segments)
+    # The body as one piece: the verifier checks its storages in bulk (one by one only for
+    # a header made by hand that lists them out of body order), with the streaming verdict.
+    verifier = BodyVerifier(header)
+    verifier.update(view)
+    verifier.finish()
 
 
 @without_gc
