@@ -708,6 +708,7 @@ class CheckedPrefix:
     :ivar text: the JSON, without its padding; :func:`parse_checked` takes it (it must not
         outlive the parse's start: the parse bound counts the text once).
     :ivar budget: what the parse may still charge for the structure (``_parse_bound``).
+    :ivar text_at: where the text starts in the prefix.
     """
 
     total: int
@@ -715,6 +716,7 @@ class CheckedPrefix:
     tables: _Tables | None
     text: str
     budget: int
+    text_at: int
 
 
 def check_prefix(data: bytes | bytearray | memoryview) -> CheckedPrefix:
@@ -752,7 +754,7 @@ def check_prefix(data: bytes | bytearray | memoryview) -> CheckedPrefix:
         text = str(json_raw[:unpadded], "ascii")
     except UnicodeDecodeError as exc:  # the encoder escapes every non-ASCII character
         raise IntegrityError(f"header is not ASCII: {exc}") from exc
-    return CheckedPrefix(total, version, tables, text, budget)
+    return CheckedPrefix(total, version, tables, text, budget, header_end - len(json_raw))
 
 
 def parse_checked(prefix: CheckedPrefix) -> tuple[FileHeader, int]:

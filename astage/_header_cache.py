@@ -78,8 +78,14 @@ class HeaderCache:
                 self.reused += 1
                 return header
         self._kept = None
+        tail = _tail_at(prefix)  # read before the parse, which takes the text
+        tables = _tables(prefix)
         header, charged = parse_checked(prefix)
-        self._kept = _keep(header, charged, check_prefix(data))
+        if tail is not None and tables is not None:
+            # The tail is copied out of the prefix only now: the parse bound counts the
+            # text once, so it must not be held twice through the parse.
+            text = str(memoryview(data).cast("B")[tail], "ascii")
+            self._kept = _Kept(header, prefix.version, tables, text, charged)
         return header
 
 
@@ -92,20 +98,21 @@ def _tables(prefix: CheckedPrefix) -> bytes | None:
     return b"".join([tables.tensors.tobytes(), tables.dims.tobytes(), storages.tobytes()])
 
 
-def _keep(header: FileHeader, charged: int, prefix: CheckedPrefix) -> _Kept | None:
-    """What a later header of the same structure must equal, or ``None`` if this one was
-    not written as astage's encoder writes (then every header is parsed in full)."""
-    tables = _tables(prefix)
-    cut = prefix.text.find(_TREE_MEMBERS)
-    if tables is None or cut < 0:
+def _tail_at(prefix: CheckedPrefix) -> slice | None:
+    """Where in the prefix the text after the metadata members and their comma lies, or
+    ``None`` if the header was not written as astage's encoder writes (then every header
+    is parsed in full)."""
+    text = prefix.text
+    cut = text.find(_TREE_MEMBERS)
+    if cut < 0:
         return None
     try:
-        meta = json.loads(prefix.text[:cut] + "}")
+        meta = json.loads(text[:cut] + "}")
     except ValueError:
         return None
     if type(meta) is not dict or meta.keys() != _META_KEYS:
         return None
-    return _Kept(header, prefix.version, tables, prefix.text[cut + 1 :], charged)
+    return slice(prefix.text_at + cut + 1, prefix.text_at + len(text))
 
 
 def _reuse(kept: _Kept, prefix: CheckedPrefix) -> FileHeader | None:
