@@ -394,6 +394,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         """Copy into a new lease and build the tree over it; hand it out."""
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
+        seen = self._see(sources)
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
@@ -411,7 +412,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         with anyio.CancelScope(shield=True):  # half handed out between its slices
             serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
-        self._remember(plan, serial, sources, cast(list[torch.Tensor], rebuilder.tensors))
+        self._remember(plan, serial, sources, seen, cast(list[torch.Tensor], rebuilder.tensors))
         stats = self._record(
             plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
         )
@@ -426,7 +427,8 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._spare = None
         self._pool.unkeep(spare.serial)
         plan = spare.fast.plan
-        skip = self._unchanged(spare, sources)
+        seen = self._see(sources)
+        skip = self._unchanged(spare, seen)
         try:
             await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip)
         except BaseException as exc:
@@ -435,7 +437,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             self._pool.reclaim()
             raise
-        self._remember(plan, spare.serial, sources, spare.tensors)
+        self._remember(plan, spare.serial, sources, seen, spare.tensors)
         stats = self._record(
             plan, 0, len(plan.storages), 0.0, started, skip, copy=spare.serial, refilled=True
         )
@@ -477,45 +479,58 @@ class DefaultStager(anyio.abc.AsyncResource):
             del spare
             self._pool.reclaim()
 
+    def _see(self, sources: list[torch.Tensor]) -> _Seen | None:
+        """The sources' version counters and addresses, read before the copy (``skip_unchanged``).
+
+        Before, not after: a source written while it is being copied (a writer racing the
+        stage) may leave this copy torn, and its counter, read after, would then vouch for
+        bytes the copy does not hold; read before, it differs by the next stage, which
+        copies the storage again.
+        """
+        if not self._resolved.skip_unchanged:
+            return None
+        return _Seen(list(map(_VERSION, sources)), list(map(torch.Tensor.data_ptr, sources)))
+
     def _remember(
         self,
         plan: StagePlan,
         serial: int,
         sources: list[torch.Tensor],
+        seen: _Seen | None,
         staged: list[torch.Tensor],
     ) -> None:
         """Record what the copy ``serial`` (the pool's lease serial) now holds, for ``skip_unchanged``."""
-        if not self._resolved.skip_unchanged or self._fast is None or self._fast.plan is not plan:
+        if seen is None or self._fast is None or self._fast.plan is not plan:
             return
-        self._last = _Filled(
-            serial,
-            sources,
-            [t._version for t in sources],
-            [t.data_ptr() for t in sources],
-            [t._version for t in staged],
-        )
+        self._last = _Filled(serial, sources, seen, list(map(_VERSION, staged)))
 
-    def _unchanged(self, spare: _Spare, sources: list[torch.Tensor]) -> set[int]:
-        """Storages of ``spare`` that already hold what ``sources`` hold (``skip_unchanged``).
+    def _unchanged(self, spare: _Spare, seen: _Seen | None) -> set[int]:
+        """Storages of ``spare`` that already hold what the sources ``seen`` hold (``skip_unchanged``).
 
         Only for the copy the last stage filled, when none of its tensors was written since
         (their version counters), and only storages whose every source tensor kept its
-        version counter value.  A counter at 0 is never trusted: a new counter starts there
-        (``.data``, ``torch.from_numpy``), so equal values would prove nothing.
+        version counter value and address.  A counter at 0 is never trusted: a new counter
+        starts there (``.data``, ``torch.from_numpy``), so equal values would prove nothing.
         """
         last = self._last
         self._last = None
-        if last is None or last.serial != spare.serial:
+        if seen is None or last is None or last.serial != spare.serial:
             return set()
-        if [t._version for t in spare.tensors] != last.staged_versions:
+        if list(map(_VERSION, spare.tensors)) != last.staged_versions:
             return set()
+        storages = range(len(spare.fast.plan.storages))
+        before = last.seen
+        if seen == before and 0 not in before.versions:
+            return set(storages)
         tensors = spare.fast.plan.tensors
         changed = {
             tensors[i].storage
-            for i, (t, v, ptr) in enumerate(zip(sources, last.versions, last.data_ptrs, strict=True))
-            if t._version != v or v == 0 or t.data_ptr() != ptr
+            for i, (v, ptr, v0, ptr0) in enumerate(
+                zip(seen.versions, seen.data_ptrs, before.versions, before.data_ptrs, strict=True)
+            )
+            if v != v0 or v0 == 0 or ptr != ptr0
         }
-        return set(range(len(spare.fast.plan.storages))) - changed
+        return set(storages) - changed
 
     async def _copy_from_host(self, work: CopyWork) -> None:
         if self._resolved.async_copy:
@@ -786,9 +801,21 @@ class _Released:
         return cls(spare.fast, spare.serial, tuple(keys), nbytes, pointers)
 
 
+_VERSION: Final = operator.attrgetter("_version")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Seen:
+    """The version counter and data address of each source tensor, in plan order."""
+
+    versions: list[int]
+    data_ptrs: list[int]
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class _Filled:
-    """What the last stage copied into the copy ``serial`` (``skip_unchanged``).
+    """What the last stage copied into the copy ``serial`` (``skip_unchanged``): the
+    sources as ``seen`` before that copy, and its staged tensors' counters after it.
 
     ``sources`` are kept alive so that their storages cannot be freed and their
     addresses reused by others that would then look unchanged.
@@ -796,8 +823,7 @@ class _Filled:
 
     serial: int
     sources: list[torch.Tensor]
-    versions: list[int]
-    data_ptrs: list[int]
+    seen: _Seen
     staged_versions: list[int]
 
 

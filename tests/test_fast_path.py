@@ -15,6 +15,7 @@ import anyio
 import pytest
 import torch
 
+import astage._copy
 from astage import DefaultStager, StagingOptions, UnsupportedInputError
 from astage._match import iter_fast_plan, iter_match
 from astage._plan import plan_state_dict
@@ -723,6 +724,39 @@ async def test_skip_unchanged_caveat_writes_through_data_are_not_seen() -> None:
     async with DefaultStager() as plain:  # without the option every byte is copied
         await plain.release(await plain.stage(sd))
         assert (await plain.stage(sd))["frozen"]["base1"][0].item() == 100.0
+
+
+@pytest.mark.parametrize("during", [0, 1], ids=["first-stage", "refill"])
+async def test_skip_unchanged_recopies_a_source_written_while_it_was_being_copied(
+    monkeypatch: pytest.MonkeyPatch, during: int
+) -> None:
+    """A source written during a stage's copy (a writer racing the stage) may leave that
+    copy torn; the next stage must copy it again, not keep the torn bytes as "unchanged":
+    the version counters a stage records are those it saw before copying."""
+    sd = lora_like()
+    target = sd["trainable"]["lora1"]
+    copying = {"stage": -1}
+    original = astage._copy.run_batch
+
+    def copy_then_write(batch: Any, non_blocking: bool = False) -> None:
+        original(batch, non_blocking)
+        if copying["stage"] == during and any(t is target for t in batch[1]):
+            with torch.no_grad():
+                target.add_(100)  # after its bytes were copied: this stage's copy is stale
+
+    monkeypatch.setattr(astage._copy, "run_batch", copy_then_write)
+    async with DefaultStager(StagingOptions(skip_unchanged=True, use_pinned_memory=False)) as stager:
+        for stage in range(3):
+            copying["stage"] = stage
+            if stage == during:
+                with torch.no_grad():
+                    target.add_(0)  # changed, so that this stage copies it (a refill would skip it)
+            staged = await stager.stage(sd)
+            if stage > during:
+                assert_faithful(staged, sd)
+                assert staged["trainable"]["lora1"][0].item() == 101.0
+            await stager.release(staged)
+            del staged
 
 
 async def test_skip_unchanged_is_validated() -> None:
