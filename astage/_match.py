@@ -20,11 +20,12 @@ import collections
 import dataclasses
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
 
+from ._errors import Attr
 from ._plan import AtomNode, DictNode, Node, PlannedSource, SeqNode, StagePlan, TensorKind, TensorNode
 from ._slices import Steps, iter_distinct, slice_over
 
@@ -89,6 +90,30 @@ def _same_atom(old: Any, new: Any) -> bool:
     return False
 
 
+_PATCHABLE: frozenset[type] = frozenset({type(None), bool, int, float, complex, str, bytes})
+"""Atoms a later stage may bring changed without a new plan: the scalars a training loop
+updates every step (a learning rate under a scheduler, a step count, a loss, a tag)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AtomSlots:
+    """Where a plan's patchable atoms sit: each one directly in a plain dict or a list (its
+    *slot*), so a staged tree can take a new value in place (:func:`set_atoms`).
+
+    An atom in a tuple, or in an object's attributes, has no slot: a change there re-plans.
+    """
+
+    by_values: dict[int, tuple[int, ...]]
+    """``id(node.values or node.items)`` -> the slot of each position, ``-1`` for none."""
+    paths: tuple[tuple[Any, ...], ...]
+    """Each slot's path from the root: keys, list indices and :class:`Attr` entries to its
+    container, then its key or index there."""
+    values: tuple[Any, ...]
+    """The value the plan holds at each slot."""
+    nodes: tuple[Node, ...] = ()
+    """The plan's :class:`AtomNode` at each slot."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class FastPlan:
     """A plan with what is needed to check that a later state_dict has the same one.
@@ -113,15 +138,48 @@ class FastPlan:
     ones that can be one tensor object at two positions and pass the storage check."""
     meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
     """The same for ``meta_only`` checks (a staged copy's tensors: offsets, no attributes)."""
+    atoms: AtomSlots = AtomSlots({}, (), ())
+    """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
 
 
-def _eligible(node: Node, key_types: dict[int, tuple[type, ...]], runs: dict[int, int]) -> Steps[bool]:
+class _SlotsMade:
+    """:class:`AtomSlots` as :func:`_eligible` finds them."""
+
+    def __init__(self) -> None:
+        self.by_values: dict[int, tuple[int, ...]] = {}
+        self.paths: list[tuple[Any, ...]] = []
+        self.values: list[Any] = []
+        self.nodes: list[Node] = []
+
+    def add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> None:
+        """Give a slot to each patchable atom of ``nodes``, the values of a dict or list."""
+        slots = [-1] * len(nodes)
+        for i, n in enumerate(nodes):
+            if type(n) is AtomNode and type(n.value) in _PATCHABLE:
+                slots[i] = len(self.paths)
+                self.paths.append((*path, keys[i]))
+                self.values.append(n.value)
+                self.nodes.append(n)
+        if any(k >= 0 for k in slots):
+            self.by_values[id(nodes)] = tuple(slots)
+
+    def made(self) -> AtomSlots:
+        return AtomSlots(self.by_values, tuple(self.paths), tuple(self.values), tuple(self.nodes))
+
+
+def _eligible(
+    node: Node,
+    key_types: dict[int, tuple[type, ...]],
+    runs: dict[int, int],
+    slots: _SlotsMade,
+    path: tuple[Any, ...] = (),
+) -> Steps[bool]:
     """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
     tuples, immutable atoms and plain tensors or Parameters only (anything else is planned
-    anew at every stage, as before)."""
+    anew at every stage, as before).  Finds the subtree's atom slots on the way."""
     match node:
         case AtomNode() | TensorNode():
             return True
@@ -133,16 +191,21 @@ def _eligible(node: Node, key_types: dict[int, tuple[type, ...]], runs: dict[int
             if not _KEY_ATOMS.issuperset(types_):
                 return False
             key_types[memo] = types_
+            if not all(type(c) is TensorNode for c in values):
+                slots.add(path, keys, values)
             children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
+            steps: Sequence[Any] = keys + tuple(Attr(name) for name, _ in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
-            children = items
+            if cls is list and not all(type(c) is TensorNode for c in items):
+                slots.add(path, range(len(items)), items)
+            children, steps = items, range(len(items))
         case _:
             return False
-    for child in children:
+    for step, child in zip(steps, children, strict=True):
         if (
             type(child) is not AtomNode
             and type(child) is not TensorNode
-            and not (yield from _eligible(child, key_types, runs))
+            and not (yield from _eligible(child, key_types, runs, slots, (*path, step)))
         ):
             return False
         if slice_over():  # an optimizer's state: thousands of small dicts
@@ -166,7 +229,8 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
             yield
     key_types: dict[int, tuple[type, ...]] = {}
     runs: dict[int, int] = {}
-    if not (yield from _eligible(plan.root, key_types, runs)):
+    slots = _SlotsMade()
+    if not (yield from _eligible(plan.root, key_types, runs, slots)):
         return None
     # The signatures are what tensor_signature() would read from the sources, built from
     # what the plan recorded of them: no tensor is asked again.
@@ -204,7 +268,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     shared: tuple[int, ...] = ()
     if len(views) != len(of):
         shared = tuple(itertools.compress(range(len(of)), map((1).__lt__, map(views.__getitem__, of))))
-    fast = FastPlan(plan, tuple(signatures), key_types, nbytes, runs, shared=shared)
+    fast = FastPlan(plan, tuple(signatures), key_types, nbytes, runs, shared=shared, atoms=slots.made())
     # The sources are what the plan was made of, so each chunk passes the full check as it
     # stands: its guard is armed now, and the next stage, not the one after, is guarded
     # (the first re-check of small-20k took ~60 ms, the later ones ~30: a full check and
@@ -233,8 +297,10 @@ class _Matcher:
     parameter) instead of a guard call each.
     """
 
-    def __init__(self, fast: FastPlan, meta_only: bool) -> None:
+    def __init__(self, fast: FastPlan, meta_only: bool, patches: list[tuple[int, Any]] | None) -> None:
         self.meta_only = meta_only
+        self.patches = patches
+        self.slots = fast.atoms.by_values
         self.signatures = fast.signatures
         self.key_types = fast.key_types
         self.runs = fast.runs
@@ -321,7 +387,7 @@ class _Matcher:
                     elif p > n or v is not sources[p]:  # the plan met this very tensor before
                         return False
                 elif cls is AtomNode:
-                    if not _same_atom(node.value, v):  # type: ignore[union-attr]
+                    if not _same_atom(node.value, v) and not self.patch(nodes, node, v):  # type: ignore[union-attr]
                         return False
                 elif (
                     cls is DictNode
@@ -336,6 +402,17 @@ class _Matcher:
                     yield
         except Exception:  # a value the plan never saw
             return False
+        return True
+
+    def patch(self, nodes: tuple[Node, ...], node: Node, value: Any) -> bool:
+        """Note ``value`` for ``node``'s slot, if the caller takes patches and it has one."""
+        slots = self.slots.get(id(nodes))
+        if self.patches is None or slots is None or type(value) not in _PATCHABLE:
+            return False
+        slot = slots[next(i for i, n in enumerate(nodes) if n is node)]
+        if slot < 0:
+            return False
+        self.patches.append((slot, value))
         return True
 
     def tensors(self) -> Steps[bool]:
@@ -417,7 +494,12 @@ _storage_of = operator.attrgetter("storage")
 
 
 def iter_match(
-    fast: FastPlan, state_dict: Any, *, meta_only: bool = False, walk_only: bool = False
+    fast: FastPlan,
+    state_dict: Any,
+    *,
+    meta_only: bool = False,
+    walk_only: bool = False,
+    patches: list[tuple[int, Any]] | None = None,
 ) -> Steps[list[torch.Tensor] | None]:
     """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
 
@@ -433,8 +515,12 @@ def iter_match(
     :param walk_only: check the containers, keys and atoms and where each tensor sits, but
         no tensor's metadata or storage: for a tree whose tensors were proven to be the
         plan's by other means (a staged copy the stager checked at its release and refilled).
+    :param patches: where given, an atom of a dict or list (a slot, :class:`AtomSlots`)
+        that differs from the plan's but is still a plain scalar does not refuse the match:
+        ``(slot, value)`` is appended here instead, for :func:`set_atoms`.  Left as it was
+        when the match fails.
     """
-    matcher = _Matcher(fast, meta_only)
+    matcher = _Matcher(fast, meta_only, None if patches is None else [])
     ok = yield from matcher.many((fast.plan.root,), (state_dict,))
     sources = matcher.sources
     if not ok or len(sources) != len(fast.signatures):
@@ -448,4 +534,16 @@ def iter_match(
     distinct = sources if meta_only or walk_only else list(map(sources.__getitem__, fast.shared))
     if not (yield from iter_distinct(distinct)):
         return None
+    if patches is not None and matcher.patches:
+        patches += matcher.patches
     return sources
+
+
+def set_atoms(tree: Any, atoms: AtomSlots, values: Iterable[tuple[int, Any]]) -> None:
+    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of)."""
+    for slot, value in values:
+        *steps, last = atoms.paths[slot]
+        container = tree
+        for step in steps:
+            container = getattr(container, step.name) if type(step) is Attr else container[step]
+        container[last] = value

@@ -56,7 +56,7 @@ from ._copy import (
 from ._errors import ClosedError, EventLoopError, UnsupportedInputError
 from ._events import STRATEGIES, Strategy, wait_event
 from ._gc import gc_paused, promote
-from ._match import FastPlan, iter_fast_plan, iter_match
+from ._match import FastPlan, iter_fast_plan, iter_match, set_atoms
 from ._options import (
     ResolvedOptions,
     StagingOptions,
@@ -334,20 +334,22 @@ class DefaultStager(anyio.abc.AsyncResource):
         started = clock()
         fast = self._fast
         sources: list[torch.Tensor] | None = None
+        # Scalars that changed since the plan was made (a learning rate, a step count): put
+        # into the staged tree, not a reason to plan again.
+        patches: list[tuple[int, Any]] = []
         if fast is not None:
-            sources = await self._run(iter_match(fast, state_dict), makes_tensors=False)
+            sources = await self._run(iter_match(fast, state_dict, patches=patches), makes_tensors=False)
         layout = self._layout
         if sources is None or fast is None or layout is None:
             return await self._stage_first(state_dict, started)  # a new structure
-        plan = fast.plan
         spare = self._spare
         if spare is not None and spare.fast is fast:
             # No local may keep the copy alive past a failed refill (the pool takes its
             # buffers back once nothing references them): _refill takes it from self.
             del spare
-            return await self._refill(sources, layout, started)
+            return await self._refill(sources, layout, started, patches)
         del spare
-        return await self._stage_new(plan, layout, sources, started)
+        return await self._stage_new(fast, layout, sources, started, patches=patches)
 
     async def _stage_first(self, state_dict: Any, started: float) -> tuple[Any, StageStats]:
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
@@ -362,18 +364,21 @@ class DefaultStager(anyio.abc.AsyncResource):
             layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
             fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout
-        return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
+        return await self._stage_new(fast or source.plan, layout, list(source.tensors), started, first=True)
 
     async def _stage_new(
         self,
-        plan: StagePlan,
+        planned: FastPlan | StagePlan,
         layout: CopyLayout,
         sources: list[torch.Tensor],
         started: float,
         *,
         first: bool = False,
+        patches: Sequence[tuple[int, Any]] = (),
     ) -> tuple[Any, StageStats]:
-        """Stage into newly leased buffers and build a new tree over them."""
+        """Stage into newly leased buffers and build a new tree over them (with ``patches``
+        of ``planned``'s atoms, when it is a :class:`FastPlan`)."""
+        plan = planned.plan if isinstance(planned, FastPlan) else planned
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
         # The collector runs while this waits for buffers: a copy that only a reference cycle
@@ -386,12 +391,19 @@ class DefaultStager(anyio.abc.AsyncResource):
         with gc_paused() if first else contextlib.nullcontext():
             if first:
                 promote(len(plan.tensors))
-            return await self._fill_new(plan, layout, sources, lease, started)
+            return await self._fill_new(planned, layout, sources, lease, started, patches)
 
     async def _fill_new(
-        self, plan: StagePlan, layout: CopyLayout, sources: list[torch.Tensor], lease: Lease, started: float
+        self,
+        planned: FastPlan | StagePlan,
+        layout: CopyLayout,
+        sources: list[torch.Tensor],
+        lease: Lease,
+        started: float,
+        patches: Sequence[tuple[int, Any]],
     ) -> tuple[Any, StageStats]:
         """Copy into a new lease and build the tree over it; hand it out."""
+        plan = planned.plan if isinstance(planned, FastPlan) else planned
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
         seen = self._see(sources)
@@ -400,6 +412,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
             rebuilder = Rebuilder(plan, staged_locals.__getitem__)
             staged = await self._run(rebuilder.node(plan.root))
+            if patches:
+                set_atoms(staged, cast(FastPlan, planned).atoms, patches)
         except BaseException as exc:
             # No copy is in flight any more (the copy paths wait for theirs).  Tensors over the
             # leased buffers may survive in this frame and in the traceback's frames, where a
@@ -419,9 +433,11 @@ class DefaultStager(anyio.abc.AsyncResource):
         return staged, stats
 
     async def _refill(
-        self, sources: list[torch.Tensor], layout: CopyLayout, started: float
+        self, sources: list[torch.Tensor], layout: CopyLayout, started: float, patches: list[tuple[int, Any]]
     ) -> tuple[Any, StageStats]:
-        """Copy into the kept copy of the same plan, in place, and return its tree again."""
+        """Copy into the kept copy of the same plan, in place, and return its tree again,
+        its atoms set to the sources' (``patches``, and the plan's values where the copy
+        held others)."""
         spare: _Spare | None = self._spare
         assert spare is not None  # checked by the caller, with no await since
         self._spare = None
@@ -438,6 +454,10 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.reclaim()
             raise
         self._remember(plan, spare.serial, sources, seen, spare.tensors)
+        atoms = spare.fast.atoms
+        patched = {slot for slot, _ in patches}
+        back = [(slot, atoms.values[slot]) for slot in spare.off_plan if slot not in patched]
+        set_atoms(spare.tree, atoms, back + patches)
         stats = self._record(
             plan, 0, len(plan.storages), 0.0, started, skip, copy=spare.serial, refilled=True
         )
@@ -655,7 +675,8 @@ class DefaultStager(anyio.abc.AsyncResource):
     def _iter_spare(self, fast: FastPlan, staged: Any) -> Steps[_Spare | None]:
         """``staged`` as a copy to refill, if it is one whole copy of ``fast``'s plan as it
         was handed out: same tree, tensors, metadata, over all of one copy's buffers."""
-        tensors = yield from iter_match(fast, staged, meta_only=True)
+        off_plan: list[tuple[int, Any]] = []  # atoms the copy holds other values at than the plan
+        tensors = yield from iter_match(fast, staged, meta_only=True, patches=off_plan)
         if tensors is None:
             return None
         plan = fast.plan
@@ -666,6 +687,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = yield from self._iter_check_spare(fast, staged, tensors)
             if spare is not None:
                 self._released = yield from _Released.iter_of(spare)
+        if spare is not None:
+            spare.off_plan = tuple(slot for slot, _ in off_plan)
         return spare
 
     def _iter_released_again(
@@ -757,6 +780,8 @@ class _Spare:
     tensors: list[torch.Tensor]
     buffers: tuple[Buffer, ...]
     serial: int
+    off_plan: tuple[int, ...] = ()
+    """Atom slots where the tree holds values other than the plan's (set by a stage)."""
 
     def storage(self, s: int) -> torch.UntypedStorage:
         """The buffer of planned storage ``s``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -804,3 +804,180 @@ async def test_a_first_stage_of_an_optimizer_s_many_small_dicts_leaves_the_loop_
         beats = await heartbeat_gaps(stage)
         assert_faithful(staged[0], sd)
     assert max(beats.busy) < 0.015, sorted(beats.busy)[-3:]
+
+
+# -- scalars that change between stages -----------------------------------------------------------
+
+
+def trainer_like() -> dict[str, Any]:
+    """What a training loop checkpoints: a module's state_dict (with its ``_metadata``), an
+    optimizer's, and scalars that change every step."""
+    return {
+        "model": torch.nn.Linear(4, 2).state_dict(),
+        "optim": {
+            "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.randn(2, 4)}},
+            "param_groups": [
+                {
+                    "lr": 0.1,
+                    "betas": (0.9, 0.999),
+                    "weight_decay": 0.01,
+                    "flag": True,
+                    "extra": None,
+                    "name": "g",
+                    "params": [0],
+                }
+            ],
+        },
+        "step": 100,
+        "losses": [0.5, 0.25],
+        "blob": b"abc",
+        "z": 1 + 2j,
+    }
+
+
+def _group(sd: dict[str, Any]) -> dict[str, Any]:
+    return cast(dict[str, Any], sd["optim"]["param_groups"][0])
+
+
+SCALAR_CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "learning rate": lambda sd: _group(sd).update(lr=_group(sd)["lr"] / 2),
+    "step count": lambda sd: sd.update(step=sd["step"] + 1),
+    "list item": lambda sd: sd["losses"].__setitem__(1, 0.125),
+    "str": lambda sd: _group(sd).update(name="h"),
+    "bool": lambda sd: _group(sd).update(flag=False),
+    "None to float": lambda sd: _group(sd).update(extra=1.5),
+    "int to float": lambda sd: sd.update(step=100.5),
+    "float to int": lambda sd: _group(sd).update(weight_decay=0),
+    "negative zero": lambda sd: _group(sd).update(weight_decay=-0.0),
+    "nan": lambda sd: _group(sd).update(lr=float("nan")),
+    "bytes": lambda sd: sd.update(blob=b"abd"),
+    "complex": lambda sd: sd.update(z=1 - 2j),
+    "module metadata": lambda sd: sd["model"]._metadata[""].update(version=2),
+    "several at once": lambda sd: (
+        sd.update(step=7),
+        _group(sd).update(lr=0.3),
+        sd["losses"].__setitem__(0, 9.0),
+    ),
+}
+
+
+def scalars_of(tree: Any, path: str = "sd") -> dict[str, tuple[type, str]]:
+    """Every non-tensor leaf (dict attributes too) by path, as its type and repr: ``-0.0``
+    and ``nan`` told apart, unlike ``==``."""
+    out: dict[str, tuple[type, str]] = {}
+    if isinstance(tree, torch.Tensor):
+        return out
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out |= scalars_of(v, f"{path}[{k!r}]")
+        for k, v in getattr(tree, "__dict__", {}).items():
+            out |= scalars_of(v, f"{path}.{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out |= scalars_of(v, f"{path}[{i}]")
+    else:
+        out[path] = (type(tree), repr(tree))
+    return out
+
+
+def assert_same_scalars(staged: Any, source: Any) -> None:
+    assert scalars_of(staged) == scalars_of(source)
+
+
+@pytest.mark.parametrize("name", list(SCALAR_CHANGES))
+async def test_a_changed_scalar_is_put_into_the_refilled_copy_without_a_new_plan(name: str) -> None:
+    sd = trainer_like()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        fast = stager._fast
+        await stager.release(staged)
+        SCALAR_CHANGES[name](sd)
+        again, stats = await stager.stage_with_stats(sd)
+        assert stats.refilled
+        assert again is staged
+        assert stager._fast is fast  # not planned anew
+        if name not in {"nan", "negative zero"}:  # (== cannot tell those)
+            assert_faithful(again, sd)
+        assert_same_scalars(again, sd)
+        with torch.no_grad():  # the bytes are refilled too
+            for t in tensors_of(sd):
+                t.add_(1)
+        await stager.release(again)
+        third = await stager.stage(sd)
+        assert third is staged
+        assert_same_scalars(third, sd)
+        assert all(bytes_equal(a, b) for a, b in zip(tensors_of(third), tensors_of(sd), strict=True))
+
+
+@pytest.mark.parametrize("name", list(SCALAR_CHANGES))
+async def test_a_changed_scalar_goes_into_a_new_copy_and_the_held_copy_keeps_its_own(name: str) -> None:
+    sd = trainer_like()
+    async with DefaultStager() as stager:
+        held = await stager.stage(sd)
+        before = scalars_of(held)
+        SCALAR_CHANGES[name](sd)
+        second, stats = await stager.stage_with_stats(sd)
+        assert not stats.refilled
+        assert second is not held
+        assert_same_scalars(second, sd)
+        assert scalars_of(held) == before, "a copy the caller holds was changed"
+
+
+async def test_a_scalar_changed_back_to_the_planned_value_is_put_back() -> None:
+    sd = trainer_like()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        for step in (101, 102, 100, 100, 5):  # 100 is the value the plan was made with
+            await stager.release(staged)
+            sd["step"] = step
+            again = await stager.stage(sd)
+            assert again is staged
+            assert again["step"] == step
+
+
+async def test_a_scalar_the_holder_changed_in_a_released_copy_is_set_back() -> None:
+    sd = trainer_like()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        staged["losses"][0] = -1.0  # against release()'s contract, but not kept stale
+        _group(staged)["name"] = "mine"
+        await stager.release(staged)
+        again = await stager.stage(sd)
+        assert_same_scalars(again, sd)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda sd: _group(sd).update(betas=(0.8, 0.999)),  # in a tuple: no slot
+        lambda sd: _group(sd).update(lr=torch.tensor(0.05)),  # a scalar that became a tensor
+        lambda sd: sd.update(step=[1, 2]),  # a scalar that became a container
+        lambda sd: sd.update(step=torch.float32),  # an atom, but not a plain scalar
+    ],
+    ids=["tuple item", "to tensor", "to list", "to dtype"],
+)
+async def test_a_change_that_is_not_a_scalar_in_a_dict_or_list_is_planned_anew(
+    change: Callable[[dict[str, Any]], None],
+) -> None:
+    sd = trainer_like()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        fast = stager._fast
+        await stager.release(staged)
+        change(sd)
+        again = await stager.stage(sd)
+        assert stager._fast is not fast  # planned anew
+        assert_faithful(again, sd)
+
+
+async def test_changed_scalars_and_skip_unchanged_together() -> None:
+    sd = lora_like() | {"step": 1, "lr": 0.5}
+    async with DefaultStager(StagingOptions(skip_unchanged=True)) as stager:
+        staged = await stager.stage(sd)
+        for step in range(2, 5):
+            await stager.release(staged)
+            sd.update(step=step, lr=0.5 / step)
+            staged, stats = await stager.stage_with_stats(sd)
+            assert stats.refilled
+            assert stats.bytes_skipped == stats.bytes
+            assert (staged["step"], staged["lr"]) == (step, 0.5 / step)
