@@ -399,6 +399,26 @@ class FileLayout:
         storages = self.storage_table.copy()
         storages["crc32c"] = crcs
         counts = _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), 0)
+        members = self._members()
+        text = b"".join([members, self.tree_json.encode("ascii"), b"}"])
+        cost = _joined_cost([_text_tokens(members), self.tree_tokens], len(text))
+        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
+        binary = [counts, self.tables, storages.tobytes()]
+        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), charged)
+
+    def header_nbytes(self) -> int:
+        """The length of the header :meth:`header_parts` makes, padding included, without
+        making it (no table is copied, no text joined)."""
+        members = self._members()
+        text_len = len(members) + len(self.tree_json) + 1
+        cost = _joined_cost([_text_tokens(members), self.tree_tokens], text_len)
+        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
+        binary_len = _COUNTS.size + len(self.tables) + self.storage_table.nbytes
+        return binary_len + text_len + _padding(text_len, cost, binary_len, charged)
+
+    def _members(self) -> bytes:
+        """The header JSON's metadata members, up to the comma before the tree's: joined
+        there, no escape straddles the two and their token costs add up."""
         meta = {
             "format": FORMAT_VERSION,
             "owner_rank": self.owner_rank,
@@ -409,14 +429,7 @@ class FileLayout:
             "body_nbytes": self.body_nbytes,
         }
         head = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-        # The JSON is the metadata's members, then the tree's: joined at a comma, so no
-        # escape straddles the two and their token costs add up.
-        members = f"{head[:-1]},".encode("ascii")
-        text = b"".join([members, self.tree_json.encode("ascii"), b"}"])
-        cost = _joined_cost([_text_tokens(members), self.tree_tokens], len(text))
-        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
-        binary = [counts, self.tables, storages.tobytes()]
-        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), charged)
+        return f"{head[:-1]},".encode("ascii")
 
 
 @without_gc

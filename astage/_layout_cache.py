@@ -25,6 +25,12 @@ serial ``StageStats.copy``), only the structure is walked, to collect the tensor
 storages' sizes are checked when the layout is completed; a mismatch (a copy changed after
 its release) sends the save back to a full lay-out, in the background.
 
+Scalars are data, not structure (as for the stager, :func:`astage._match.iter_match`'s
+``patches``): a learning rate or step count in the tree may change from save to save.  The
+kept layout's tree JSON is cut, once, around each such scalar (:class:`_AtomText`), and a
+save whose tree differs only there gets the JSON joined again with the new scalars' text:
+no walk of the tree's 20,000 tensors for a new learning rate.
+
 Invariant: a layout comes back from :meth:`LayoutCache.lay_out` only if ``lay_out`` on the
 same staged tree would have returned it; ``UnsupportedInputError`` is raised exactly where
 ``lay_out`` raises it.  The header cap is checked once, with the widest metadata any save
@@ -34,18 +40,25 @@ can have, before a layout is kept.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import re
+import secrets
 import time
+from collections.abc import Sequence
 from typing import Any, Final
 
 import anyio
 import torch
 
+from ._errors import KeyPath
 from ._format import HEADER_CAP, FileLayout, iter_lay_out
 from ._gc import gc_paused, promote
+from ._header_tree import _leaf, _TreeEncoder
 from ._limits import INT64, RANK_LIMIT
 from ._match import FastPlan, iter_fast_plan, iter_match
-from ._plan import iter_plan
+from ._parse_bound import _text_tokens, _Tokens
+from ._plan import AtomNode, Node, iter_plan
 from ._rebuild import plain_tensor_mode
 from ._slices import Steps, run_steps, slice_over, within
 from ._threads import run_sync
@@ -70,6 +83,95 @@ class _Kept:
     """For each storage of the layout, the plan position of the first tensor viewing it."""
     copy: int | None
     """The stager's serial of the staged copy ``fast`` was planned from, if known."""
+    atoms: _AtomText | None = None
+    """The layout's tree JSON cut around the plan's atom slots (``None``: a changed scalar
+    is laid out in full)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AtomText:
+    """A kept layout's tree JSON cut around the plan's atom slots (:class:`astage._match.AtomSlots`).
+
+    ``tree_json`` is ``pieces[0] + texts[order[0]] + pieces[1] + ... + pieces[-1]``.  Token
+    costs add up over the parts: each counted token is one byte, and no ``\\u`` escape
+    straddles two parts (a part ends before a value and a value's text ends on a quote, a
+    digit, a bracket or a letter).
+    """
+
+    pieces: tuple[str, ...]
+    order: tuple[int, ...]
+    texts: tuple[str, ...]
+    """Each slot's JSON as the plan holds it."""
+    tokens: tuple[_Tokens, ...]
+    """Each slot's text's tokens."""
+    pieces_tokens: _Tokens
+    """Of all the pieces together."""
+
+    def with_values(self, patches: Sequence[tuple[int, Any]]) -> tuple[str, _Tokens] | None:
+        """The tree JSON with ``patches`` (slot, value) in, and its tokens; ``None`` if a value
+        cannot be stored (a full lay-out then refuses it, with its key path)."""
+        texts, tokens = list(self.texts), list(self.tokens)
+        for slot, value in patches:
+            try:
+                texts[slot] = _atom_json(value)
+            except (TypeError, ValueError):
+                return None
+            tokens[slot] = _text_tokens(texts[slot].encode("ascii"))
+        cost = self.pieces_tokens.cost + sum(t.cost for t in tokens)
+        escapes = self.pieces_tokens.escapes or any(t.escapes for t in tokens)
+        return _interleave(self.pieces, self.order, texts), _Tokens(cost, escapes)
+
+
+def _atom_json(value: Any) -> str:
+    """A scalar's text in a header's tree, as :func:`astage._format.lay_out` writes it."""
+    return json.dumps(_leaf(value), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def _interleave(pieces: Sequence[str], order: Sequence[int], texts: Sequence[str]) -> str:
+    out = [pieces[0]]
+    for i, slot in enumerate(order):
+        out += (texts[slot], pieces[i + 1])
+    return "".join(out)
+
+
+class _MarkingEncoder(_TreeEncoder):
+    """The tree encoder, writing a marker string in place of each slotted atom."""
+
+    def __init__(self, fast: FastPlan, markers: dict[int, str]) -> None:
+        super().__init__(fast.plan, storable=True)  # the layout was made: every tensor is storable
+        self.markers = markers
+
+    def node(self, n: Node, path: KeyPath, depth: int) -> Steps[Any]:
+        if type(n) is AtomNode and id(n) in self.markers:
+            return self.markers[id(n)]
+        return (yield from super().node(n, path, depth))
+
+
+def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
+    """``layout``'s tree JSON cut around ``fast``'s atom slots, or ``None`` where the plan has
+    none or the cut does not give the laid-out JSON back exactly."""
+    atoms = fast.atoms
+    if not atoms.nodes:
+        return None
+    nonce = secrets.token_hex(8)  # no key or string of the tree can hold it by chance
+    markers = {id(node): f"\0{nonce}:{slot}\0" for slot, node in enumerate(atoms.nodes)}
+    tree = yield from _MarkingEncoder(fast, markers).node(fast.plan.root, (), 0)
+    yield
+    marked = json.dumps(
+        {"dtensors": [], "tree": tree}, ensure_ascii=True, allow_nan=False, separators=(",", ":")
+    )[1:-1]
+    del tree
+    yield
+    parts = re.split(rf'"\\u0000{nonce}:(\d+)\\u0000"', marked)
+    pieces, order = tuple(parts[0::2]), tuple(map(int, parts[1::2]))
+    if sorted(order) != list(range(len(atoms.nodes))):
+        return None
+    texts = tuple(map(_atom_json, atoms.values))
+    if _interleave(pieces, order, texts) != layout.tree_json:
+        return None
+    tokens = tuple(_text_tokens(t.encode("ascii")) for t in texts)
+    joined = _text_tokens("".join(pieces).encode("ascii"))
+    return _AtomText(pieces, order, texts, tokens, joined)
 
 
 @dataclasses.dataclass(eq=False)
@@ -239,18 +341,35 @@ def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept
         firsts.setdefault(spec.storage, position)
         if not position & 1023 and slice_over():
             yield
+    atoms = yield from _iter_cut(fast, layout)
     layout = dataclasses.replace(layout, storages=())
-    return _Kept(fast, layout, tuple(firsts[j] for j in range(len(firsts))), copy)
+    return _Kept(fast, layout, tuple(firsts[j] for j in range(len(firsts))), copy, atoms)
 
 
 def _restamp(
     kept: _Kept, staged: Any, step: int, checkpoint_id: str, walk_only: bool
 ) -> Steps[PendingLayout | None]:
     """The kept layout for ``staged`` and this save, or ``None`` if ``staged`` does not match."""
-    sources = yield from iter_match(kept.fast, staged, walk_only=walk_only)
+    patches: list[tuple[int, Any]] | None = None if kept.atoms is None else []
+    sources = yield from iter_match(kept.fast, staged, walk_only=walk_only, patches=patches)
     if sources is None:
         return None
     layout = dataclasses.replace(
         kept.layout, step=step, checkpoint_id=checkpoint_id, created=float(time.time())
     )
+    if patches:
+        assert kept.atoms is not None
+        made = kept.atoms.with_values(patches)
+        if made is None:
+            return None
+        layout = dataclasses.replace(layout, tree_json=made[0], tree_tokens=made[1])
+        widest = dataclasses.replace(
+            layout,
+            owner_rank=RANK_LIMIT - 1,
+            holder_rank=RANK_LIMIT - 1,
+            step=INT64 - 1,
+            created=_WIDEST_TIME,
+        )
+        if widest.header_nbytes() > HEADER_CAP:
+            return None  # laid out in full, which refuses it
     return PendingLayout(layout, sources, kept.firsts)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import astage
+import astage._format
 import astage._layout_cache
 from astage._format import FileLayout, iter_lay_out, lay_out
 from astage._layout_cache import LayoutCache, PendingLayout
@@ -46,7 +47,9 @@ def tree() -> dict[str, Any]:
         "view": base[2:6],
         "b": torch.ones(3, 4),
         "step": 1,
+        "betas": (0.9, 0.999),
         "nested": {"c": torch.zeros(5, dtype=torch.int64), "lr": 0.5, "name": "adam"},
+        "history": [0.25, None, "x"],
     }
 
 
@@ -69,8 +72,9 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "new key": lambda t: t["nested"].__setitem__("new", torch.ones(2)),
     "removed key": lambda t: t.pop("view"),
     "storage becomes shared": _share,
-    "atom value": lambda t: t.__setitem__("step", 2),
-    "negative zero": lambda t: t["nested"].__setitem__("lr", 0.0) or t["nested"].__setitem__("lr", -0.0),
+    "atom in a tuple": lambda t: t.__setitem__("betas", (0.9, 0.98)),
+    "scalar to tensor": lambda t: t.__setitem__("step", torch.tensor(2)),
+    "scalar to dtype": lambda t: t["nested"].__setitem__("lr", torch.float16),
     "requires_grad": lambda t: t["b"].requires_grad_(True),
     "parameter": lambda t: t.__setitem__("b", torch.nn.Parameter(t["b"])),
 }
@@ -114,6 +118,108 @@ async def test_every_change_to_the_tree_is_laid_out_anew(change: Callable[[dict[
     layout = await cache.lay_out(staged, step=2, checkpoint_id=ID)
     assert isinstance(layout, FileLayout), "a changed tree must not re-use the kept layout"
     assert_same_layout(layout, lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID))
+
+
+def _nested(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda t: t["nested"].__setitem__(key, value)
+
+
+SCALARS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "step": lambda t: t.__setitem__("step", 2),
+    "negative step": lambda t: t.__setitem__("step", -5),
+    "large int": lambda t: t.__setitem__("step", 2**70),
+    "int to float": lambda t: t.__setitem__("step", 2.5),
+    "int to None": lambda t: t.__setitem__("step", None),
+    "int to bool": lambda t: t.__setitem__("step", True),
+    "int to bytes": lambda t: t.__setitem__("step", b"\x00\xff"),
+    "int to complex": lambda t: t.__setitem__("step", 1 - 0.5j),
+    "lr": _nested("lr", 0.1),
+    "negative zero": _nested("lr", -0.0),
+    "nan": _nested("lr", float("nan")),
+    "inf": _nested("lr", float("-inf")),
+    "tiny": _nested("lr", 5e-324),
+    "str": _nested("name", "sgd"),
+    "empty str": _nested("name", ""),
+    "str with escapes": _nested("name", 'a"b\\c\n'),
+    "non-ascii str": _nested("name", "\u00e4dam \u2603"),
+    "list item": lambda t: t["history"].__setitem__(1, 0.125),
+    "several": lambda t: (t.__setitem__("step", 9), t["history"].__setitem__(2, "y"), _nested("lr", 1.0)(t)),
+}
+
+
+@pytest.mark.parametrize("change", list(SCALARS.values()), ids=list(SCALARS))
+async def test_a_changed_scalar_re_uses_the_layout_with_the_text_a_full_lay_out_writes(
+    change: Callable[[dict[str, Any]], None],
+) -> None:
+    staged = tree()
+    cache = await kept_cache(staged)
+    for step in (2, 3):  # changed, then the same again
+        if step == 2:
+            change(staged)
+        pending = await cache.lay_out(staged, step=step, checkpoint_id=ID)
+        assert isinstance(pending, PendingLayout), "a changed scalar is no new structure"
+        layout = await pending.complete()
+        assert layout is not None
+        assert_same_layout(layout, lay_out(staged, owner_rank=0, step=step, checkpoint_id=ID))
+
+
+async def test_scalars_changed_and_changed_back_over_many_saves_match_a_full_lay_out() -> None:
+    staged = tree()
+    cache = await kept_cache(staged)
+    values = [1, 2, 1, 0.5, -0.0, float("nan"), "s", None, 1]
+    for step, value in enumerate(values, start=2):
+        staged["step"] = value
+        staged["nested"]["lr"] = values[-step % len(values)]
+        pending = await cache.lay_out(staged, step=step, checkpoint_id=ID)
+        assert isinstance(pending, PendingLayout)
+        layout = await pending.complete()
+        assert layout is not None
+        assert_same_layout(layout, lay_out(staged, owner_rank=0, step=step, checkpoint_id=ID))
+
+
+async def test_a_module_metadata_version_change_re_uses_the_layout() -> None:
+    staged: dict[str, Any] = {"model": torch.nn.Linear(3, 2).state_dict(), "step": 0}
+    cache = await kept_cache(staged)
+    staged["model"]._metadata[""]["version"] = 7
+    pending = await cache.lay_out(staged, step=2, checkpoint_id=ID)
+    assert isinstance(pending, PendingLayout)
+    layout = await pending.complete()
+    assert layout is not None
+    assert_same_layout(layout, lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID))
+
+
+async def test_a_changed_scalar_the_format_cannot_store_is_refused_as_a_full_lay_out_refuses_it() -> None:
+    staged = tree()
+    cache = await kept_cache(staged)
+    staged["nested"]["lr"] = 1 << 20_000  # an int too large for a header
+    with pytest.raises(astage.UnsupportedInputError) as expected:
+        lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID)
+    with pytest.raises(astage.UnsupportedInputError) as got:
+        await cache.lay_out(staged, step=2, checkpoint_id=ID)
+    assert str(got.value) == str(expected.value)
+    assert got.value.key_path == ("nested", "lr")
+
+
+async def test_a_changed_scalar_that_would_break_the_header_cap_is_refused_as_a_full_lay_out_refuses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    staged = tree()
+    cache = await kept_cache(staged)
+    kept = lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID)
+    # A cap the kept layout fits under (with the widest metadata), and a new name does not.
+    cap = (
+        dataclasses.replace(
+            kept,
+            owner_rank=astage._layout_cache.RANK_LIMIT - 1,
+            holder_rank=astage._layout_cache.RANK_LIMIT - 1,
+        ).header_nbytes()
+        + 4096
+    )
+    for module in (astage._format, astage._layout_cache):
+        monkeypatch.setattr(module, "HEADER_CAP", cap)
+    staged["nested"]["name"] = "n" * 8192
+    with pytest.raises(astage.UnsupportedInputError, match="cap"):
+        await cache.lay_out(staged, step=2, checkpoint_id=ID)
 
 
 async def test_re_using_a_layout_of_20000_tensors_leaves_the_loop_its_turn() -> None:
