@@ -40,6 +40,7 @@ can have, before a layout is kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -92,34 +93,40 @@ class _Kept:
 class _AtomText:
     """A kept layout's tree JSON cut around the plan's atom slots (:class:`astage._match.AtomSlots`).
 
-    ``tree_json`` is ``pieces[0] + texts[order[0]] + pieces[1] + ... + pieces[-1]``.  Token
+    ``"".join(parts)`` is the tree JSON, and ``parts[at[slot]]`` each slot's text.  Token
     costs add up over the parts: each counted token is one byte, and no ``\\u`` escape
     straddles two parts (a part ends before a value and a value's text ends on a quote, a
     digit, a bracket or a letter).
     """
 
-    pieces: tuple[str, ...]
-    order: tuple[int, ...]
-    texts: tuple[str, ...]
-    """Each slot's JSON as the plan holds it."""
+    parts: tuple[str, ...]
+    at: tuple[int, ...]
     tokens: tuple[_Tokens, ...]
     """Each slot's text's tokens."""
-    pieces_tokens: _Tokens
-    """Of all the pieces together."""
+    cost: int
+    """The token cost of the whole tree JSON."""
+    pieces_escape: bool
+    """Whether a part that is not a slot's text holds an escape."""
+    escaped: frozenset[int]
+    """The slots whose text holds an escape."""
 
     def with_values(self, patches: Sequence[tuple[int, Any]]) -> tuple[str, _Tokens] | None:
         """The tree JSON with ``patches`` (slot, value) in, and its tokens; ``None`` if a value
         cannot be stored (a full lay-out then refuses it, with its key path)."""
-        texts, tokens = list(self.texts), list(self.tokens)
+        parts = list(self.parts)
+        cost, escape = self.cost, self.pieces_escape
         for slot, value in patches:
             try:
-                texts[slot] = _atom_json(value)
+                text = _atom_json(value)
             except (TypeError, ValueError):
                 return None
-            tokens[slot] = _text_tokens(texts[slot].encode("ascii"))
-        cost = self.pieces_tokens.cost + sum(t.cost for t in tokens)
-        escapes = self.pieces_tokens.escapes or any(t.escapes for t in tokens)
-        return _interleave(self.pieces, self.order, texts), _Tokens(cost, escapes)
+            tokens = _text_tokens(text.encode("ascii"))
+            parts[self.at[slot]] = text
+            cost += tokens.cost - self.tokens[slot].cost
+            escape = escape or tokens.escapes
+        if not escape and self.escaped:
+            escape = not self.escaped.issubset(slot for slot, _ in patches)
+        return "".join(parts), _Tokens(cost, escape)
 
 
 def _atom_json(value: Any) -> str:
@@ -127,11 +134,30 @@ def _atom_json(value: Any) -> str:
     return json.dumps(_leaf(value), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
 
 
-def _interleave(pieces: Sequence[str], order: Sequence[int], texts: Sequence[str]) -> str:
-    out = [pieces[0]]
-    for i, slot in enumerate(order):
-        out += (texts[slot], pieces[i + 1])
-    return "".join(out)
+_dumps = functools.partial(json.dumps, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def _is_container(x: Any) -> bool:
+    return type(x) is list or type(x) is dict
+
+
+def _iter_dumps(x: Any) -> Steps[str]:
+    """``_dumps(x)`` in time slices: in one call, the JSON tree of an optimizer's thousands
+    of small dicts held the loop ~6 ms.  (What it makes is checked against the laid-out
+    JSON: a difference only costs the cut.)"""
+    if type(x) is list and any(map(_is_container, x)):
+        items = []
+        for item in x:
+            items.append((yield from _iter_dumps(item)))
+            if slice_over():
+                yield
+        return "[" + ",".join(items) + "]"
+    if type(x) is dict:
+        members = []
+        for key, value in x.items():
+            members.append(_dumps(key) + ":" + (yield from _iter_dumps(value)))
+        return "{" + ",".join(members) + "}"
+    return _dumps(x)
 
 
 class _MarkingEncoder(_TreeEncoder):
@@ -156,22 +182,31 @@ def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
     nonce = secrets.token_hex(8)  # no key or string of the tree can hold it by chance
     markers = {id(node): f"\0{nonce}:{slot}\0" for slot, node in enumerate(atoms.nodes)}
     tree = yield from _MarkingEncoder(fast, markers).node(fast.plan.root, (), 0)
-    yield
-    marked = json.dumps(
-        {"dtensors": [], "tree": tree}, ensure_ascii=True, allow_nan=False, separators=(",", ":")
-    )[1:-1]
+    marked = '"dtensors":[],"tree":' + (yield from _iter_dumps(tree))
     del tree
     yield
-    parts = re.split(rf'"\\u0000{nonce}:(\d+)\\u0000"', marked)
-    pieces, order = tuple(parts[0::2]), tuple(map(int, parts[1::2]))
-    if sorted(order) != list(range(len(atoms.nodes))):
+    parts: list[str] = re.split(rf'"\\u0000{nonce}:(\d+)\\u0000"', marked)
+    del marked
+    yield
+    count = len(atoms.nodes)
+    at = [-1] * count
+    tokens: list[_Tokens] = [_Tokens(0, False)] * count
+    for i in range(1, len(parts), 2):
+        slot = int(parts[i])
+        if slot >= count or at[slot] >= 0:
+            return None
+        at[slot] = i
+        parts[i] = _atom_json(atoms.values[slot])
+        tokens[slot] = _text_tokens(parts[i].encode("ascii"))
+        if slice_over():
+            yield
+    if -1 in at or "".join(parts) != layout.tree_json:
         return None
-    texts = tuple(map(_atom_json, atoms.values))
-    if _interleave(pieces, order, texts) != layout.tree_json:
-        return None
-    tokens = tuple(_text_tokens(t.encode("ascii")) for t in texts)
-    joined = _text_tokens("".join(pieces).encode("ascii"))
-    return _AtomText(pieces, order, texts, tokens, joined)
+    yield
+    pieces = _text_tokens("".join(parts[0::2]).encode("ascii"))
+    escaped = frozenset(slot for slot in range(count) if tokens[slot].escapes)
+    cost = pieces.cost + sum(t.cost for t in tokens)
+    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, pieces.escapes, escaped)
 
 
 @dataclasses.dataclass(eq=False)
