@@ -1,10 +1,12 @@
 """Staging benchmark: astage against a raw-copy ceiling and torch's own stagers, in one table.
 
-Four inputs: (a) a GPT-2-small-shaped checkpoint with Adam state (~1.5 GB fp32), (b)
+Five inputs: (a) a GPT-2-small-shaped checkpoint with Adam state (~1.5 GB fp32), (b)
 20,000 small tensors (~11 MB), (c) a mixture-of-experts checkpoint, 20,160 tensors of 32 KiB
-(0.66 GB), and (d) a LoRA fine-tuning checkpoint whose adapters and their Adam state (5% of
-the bytes) are written by a "training step" before every stage.  On (d) a stager made with
-``StagingOptions(skip_unchanged=True)`` is timed too, where astage has that option.
+(0.66 GB), (d) a LoRA fine-tuning checkpoint whose adapters and their Adam state (5% of
+the bytes) are written by a "training step" before every stage, and (e) (b) with a step
+count, learning rate and loss beside the tensors that change before every stage, as a
+training loop's do.  On (d) a stager made with ``StagingOptions(skip_unchanged=True)`` is
+timed too, where astage has that option.
 
 Each method stages each input ``--runs`` times from a fresh instance (first stage: buffers
 are allocated and page-faulted), then ``--runs`` times more with the last instance (steady
@@ -13,9 +15,9 @@ every astage run has a ceiling and a torch run made seconds apart and the ratios
 medians of those pairs: on these shared machines memory bandwidth swings several-fold over
 tens of seconds, so absolute times mean little.  A heartbeat task in the same event loop
 measures the loop's lag during every stage.  Peak RSS is measured afterwards, each method
-in a fresh subprocess, so the growth is its own.  Last, ``Checkpointer.save`` of the 20,000
-small tensors: how long the caller is blocked, against the ceiling's copy of the same
-tensors, timed in turn with it.
+in a fresh subprocess, so the growth is its own.  Last, ``Checkpointer.save`` of (e): how
+long the caller is blocked, against the ceiling's copy of the same tensors, timed in turn
+with it.
 
     python -m benchmarks.bench_staging [--scale S] [--runs N] [--case NAME] [--json PATH] [--quick]
 """
@@ -61,6 +63,8 @@ from .common import (
     percentile,
     small_tensors_state_dict,
     train_step,
+    trainer_state_dict,
+    trainer_step,
 )
 
 ROOT = Path(__file__).resolve().parents[__spec__.name.count(".")]
@@ -70,10 +74,12 @@ CASES: dict[str, Callable[[float], Any]] = {
     "small-20k": small_tensors_state_dict,
     "moe-20k": moe_adam_state_dict,
     "lora": lora_state_dict,
+    "trainer-20k": trainer_state_dict,
 }
 SAVE_CASE = "checkpointer-save"
-"""The ``--case`` name of the ``Checkpointer.save`` measurement (on ``small-20k``'s input)."""
-STEADY_BOUND = {"gpt2-adam": 1.15, "small-20k": 1.5, "moe-20k": 1.5}
+"""The ``--case`` name of the ``Checkpointer.save`` measurement (on ``trainer-20k``'s input:
+the 20,000 small tensors, and scalars that change between saves)."""
+STEADY_BOUND = {"gpt2-adam": 1.15, "small-20k": 1.5, "moe-20k": 1.5, "trainer-20k": 1.5}
 """Largest astage steady-state time allowed, as a multiple of the ceiling's."""
 INCREMENTAL_BOUND = 0.10
 """Largest ``skip_unchanged`` steady stage of the LoRA input, as a fraction of a full one."""
@@ -219,8 +225,15 @@ METHODS: dict[str, Callable[[Any], Method]] = {
     TORCH: TorchDefault,
     "torch Blocking": TorchBlocking,
 }
-TOUCH: dict[str, Callable[[Any], None]] = {"lora": lambda sd: train_step(lora_trainable(sd))}
+TOUCH: dict[str, Callable[[Any], None]] = {
+    "lora": lambda sd: train_step(lora_trainable(sd)),
+    "trainer-20k": trainer_step,
+}
 """What happens to a case's state_dict before each stage, outside the timing."""
+TOUCH_NOTE = {
+    "lora": "its trainable tensors are written before every stage",
+    "trainer-20k": "its step, learning rate and loss change before every stage",
+}
 
 
 def methods_for(case: str) -> tuple[dict[str, Callable[[Any], Method]], dict[str, str]]:
@@ -496,7 +509,7 @@ def report(
     notes += [f"  note, {method}: {why}" for method, why in unavailable.items()]
     title = f"({ours.case}) {ours.bytes / 1e6:.1f} MB in {ours.tensors} tensors"
     if ours.case in TOUCH:
-        title += "; its trainable tensors are written before every stage"
+        title += "; " + TOUCH_NOTE[ours.case]
     table = format_table(HEADERS, rows)
     return "\n".join([title, table, *notes, "", judged]), checks
 
@@ -523,6 +536,7 @@ async def time_save(state_dict: Any, runs: int, directory: Path) -> dict[str, An
                 if name == CEILING:
                     copies.append((await stage_once(ceiling, state_dict))[0])
                     continue
+                trainer_step(state_dict)  # a training loop's scalars move between saves
                 async with LoopLag() as lag:
                     start = clock()
                     handle = await ckpt.save(r, state_dict)
@@ -538,7 +552,7 @@ async def time_save(state_dict: Any, runs: int, directory: Path) -> dict[str, An
     steady = blocked[1:]
     return {
         "case": SAVE_CASE,
-        "input": "small-20k",
+        "input": "trainer-20k",
         "bytes": nbytes(state_dict),
         "tensors": sum(1 for _ in iter_tensors(state_dict)),
         "first_s": blocked[0],
@@ -555,10 +569,10 @@ async def time_save(state_dict: Any, runs: int, directory: Path) -> dict[str, An
 
 
 def run_save(scale: float, runs: int, parent: Path | None) -> dict[str, Any]:
-    """:func:`time_save` on the ``small-20k`` input, in a temporary directory."""
+    """:func:`time_save` on the ``trainer-20k`` input, in a temporary directory."""
     root = Path(tempfile.mkdtemp(prefix="astage-bench-save-", dir=parent))
     try:
-        state_dict = small_tensors_state_dict(scale)
+        state_dict = trainer_state_dict(scale)
         gc.collect()  # as in run_case: building the input is not the save's
         return asyncio.run(time_save(state_dict, runs, root))
     finally:

@@ -98,6 +98,20 @@ def small_tensors_state_dict(scale: float = 1.0, count: int = 20_000) -> dict[st
     return tree
 
 
+def trainer_state_dict(scale: float = 1.0) -> dict[str, Any]:
+    """:func:`small_tensors_state_dict` with what a training loop saves beside its tensors:
+    a step count, a scheduled learning rate and a loss, which :func:`trainer_step` changes."""
+    return small_tensors_state_dict(scale) | {"trainer": {"step": 0, "lr": 1e-3, "loss": 2.5}}
+
+
+def trainer_step(tree: dict[str, Any]) -> None:
+    """One step of a :func:`trainer_state_dict`'s scalars: the step, a decayed rate, a new loss."""
+    state = tree["trainer"]
+    state["step"] += 1
+    state["lr"] = 1e-3 * 0.999 ** state["step"]
+    state["loss"] = 2.5 / (1 + state["step"])
+
+
 MOE_EXPERTS, MOE_LAYERS, MOE_DIM, MOE_HIDDEN = 64, 35, 64, 128
 """At ``scale=1``: 64 experts x 35 layers x 3 weights (64x128) x (weight + 2 Adam states)."""
 
