@@ -381,3 +381,18 @@ async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_
     assert after < 50
     assert cache._kept is not None
     assert any(o is cache._kept.fast for o in gc.get_objects(generation=2))
+
+
+async def test_saves_whose_scalars_change_restore_each_save_s_own_scalars(tmp_path: Path) -> None:
+    sd = {f"w{i}": torch.full((4,), float(i)) for i in range(50)}
+    sd["trainer"] = {"step": 0, "lr": 0.1, "tag": "a", "losses": [1.0, None]}
+    expected = {}
+    async with astage.Checkpointer(tmp_path, keep=5) as ckpt:
+        for step in range(1, 5):
+            sd["trainer"].update(step=step, lr=0.1 / step, tag="a" * step)
+            sd["trainer"]["losses"][1] = 1.0 / step
+            handle = await ckpt.save(step, sd)
+            await handle.wait()
+            expected[step] = copy.deepcopy(sd)
+        for step, want in expected.items():
+            assert_same_tree(await ckpt.restore(step), want)
