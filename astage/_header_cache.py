@@ -12,19 +12,39 @@ as a full parse checks it.  The prefix itself (its length, checksum, padding and
 bound) is checked first, as always.  A header that differs anywhere, or that a full parse
 might refuse, is parsed in full, so an error is raised exactly where ``parse_prefix``
 raises it, with its message.
+
+Scalars are data, not structure: a training loop's step count or learning rate changes
+every save.  The kept tree text is cut once around each scalar that sits in a dict's values
+or a sequence's items (:class:`_TailCut`); a later text whose every other byte equals the
+kept pieces, and whose values between them each parse as a scalar the full parse accepts
+there, gets the kept plan with those scalars replaced (the containers above them rebuilt,
+nothing else).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
-from typing import Final
+import secrets
+from collections.abc import Sequence
+from typing import Any, Final
 
 from ._errors import IntegrityError
 from ._format import CheckedPrefix, FileHeader, Segments, check_prefix, parse_checked
 from ._gc import without_gc
-from ._header_tree import _meta, _reject_constant, _unique_keys
+from ._header_tree import (
+    _V2_LEAVES,
+    _HeaderParser,
+    _leaf,
+    _meta,
+    _reject_constant,
+    _TreeEncoder,
+    _unique_keys,
+)
+from ._plan import AtomNode, DictNode, Node, SeqNode, StagePlan
+from ._slices import drive
 
 log = logging.getLogger("astage.format")
 
@@ -49,6 +69,23 @@ class _Kept:
     """The JSON after the metadata members and their comma: the tree members and the ``}``."""
     charged: int
     """What the structure charged against the parse bound."""
+    cut: _TailCut | None = None
+    """``tail`` cut around its scalars, if it has any and the cut gives it back exactly."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _TailCut:
+    """A kept tree text cut around its scalars: ``pieces[0] + texts[0] + pieces[1] + ... +
+    pieces[-1]`` is the tail, and ``trails[k]`` the child indices from the plan's root down
+    to the scalar whose text is ``texts[k]``."""
+
+    pieces: tuple[str, ...]
+    texts: tuple[str, ...]
+    trails: tuple[tuple[int, ...], ...]
+
+
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+"""One JSON value as the full parse reads the document (no NaN constants, no repeated keys)."""
 
 
 class HeaderCache:
@@ -85,7 +122,7 @@ class HeaderCache:
             # The tail is copied out of the prefix only now: the parse bound counts the
             # text once, so it must not be held twice through the parse.
             text = str(memoryview(data).cast("B")[tail], "ascii")
-            self._kept = _Kept(header, prefix.version, tables, text, charged)
+            self._kept = _Kept(header, prefix.version, tables, text, charged, _cut(header, text))
         return header
 
 
@@ -118,16 +155,20 @@ def _tail_at(prefix: CheckedPrefix) -> slice | None:
 def _reuse(kept: _Kept, prefix: CheckedPrefix) -> FileHeader | None:
     """``prefix``'s header made from ``kept``'s plan, or ``None`` if a full parse is needed."""
     text, tail = prefix.text, kept.tail
-    cut = len(text) - len(tail) - 1
     if (
         prefix.version != kept.version
         or prefix.budget < kept.charged  # a full parse would run out: let it say so
-        or cut < 1
-        or text[cut] != ","
-        or not text.endswith(tail)
         or _tables(prefix) != kept.tables
     ):
         return None
+    plan = kept.header.plan
+    cut = len(text) - len(tail) - 1
+    if cut < 1 or text[cut] != "," or not text.endswith(tail):
+        cut = text.find(_TREE_MEMBERS)  # outside every string, if the metadata is well formed
+        patched = None if kept.cut is None or cut < 1 else _patched(kept, kept.cut, text, cut + 1)
+        if patched is None:
+            return None
+        plan = patched
     try:
         doc = json.loads(text[:cut] + "}", parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
         if type(doc) is not dict or doc.keys() != _META_KEYS:
@@ -148,7 +189,143 @@ def _reuse(kept: _Kept, prefix: CheckedPrefix) -> FileHeader | None:
         **meta,
         prefix_nbytes=prefix.total,
         segments=segments,
-        plan=old.plan,
+        plan=plan,
         dtensors=old.dtensors,
         version=prefix.version,
     )
+
+
+def _slots(node: Node, trail: tuple[int, ...], out: list[tuple[AtomNode, tuple[int, ...]]]) -> None:
+    """Every scalar held by a dict's values or a sequence's items under ``node``, in text order."""
+    children: tuple[Node, ...] = ()
+    if type(node) is DictNode:
+        children = node.values
+    elif type(node) is SeqNode:
+        children = node.items
+    for i, child in enumerate(children):
+        if type(child) is AtomNode:
+            out.append((child, (*trail, i)))
+        elif type(child) is DictNode or type(child) is SeqNode:
+            _slots(child, (*trail, i), out)
+
+
+class _Marking(_TreeEncoder):
+    """The tree encoder, writing a marker string in place of each of some atoms."""
+
+    def __init__(self, plan: StagePlan, markers: dict[int, str]) -> None:
+        super().__init__(plan, storable=True)  # a parsed plan holds storable tensors only
+        self.markers = markers
+
+    def node(self, n: Node, path: Any, depth: int) -> Any:
+        if type(n) is AtomNode and id(n) in self.markers:
+            return self.markers[id(n)]
+        return (yield from super().node(n, path, depth))
+
+
+def _cut(header: FileHeader, tail: str) -> _TailCut | None:
+    """``tail`` (header's tree text) cut around its scalars, or ``None`` where it has none,
+    holds DTensor notes, or is not exactly what astage's encoder writes for the plan.
+
+    Once per structure, in the parsing worker thread: a walk of the plan (~1 us a tensor).
+    """
+    if any(note is not None for note in header.dtensors):
+        return None
+    found: list[tuple[AtomNode, tuple[int, ...]]] = []
+    _slots(header.plan.root, (), found)
+    if not found or len({id(node) for node, _ in found}) != len(found):
+        return None
+    nonce = secrets.token_hex(8)  # no key or string of the tree holds it by chance
+    markers = {id(node): f"\0{nonce}:{k}\0" for k, (node, _) in enumerate(found)}
+    try:
+        tree = drive(_Marking(header.plan, markers).node(header.plan.root, (), 0))
+        marked = '"dtensors":[],"tree":' + _dumps(tree) + "}"
+        texts = tuple(_dumps(_leaf(node.value)) for node, _ in found)
+    except (TypeError, ValueError, RecursionError) as exc:
+        log.debug("no scalar cut of this header: %r", exc)
+        return None
+    parts = marked.split(f'"\\u0000{nonce}:')
+    pieces = [parts[0]]
+    for k, part in enumerate(parts[1:]):
+        head, sep, rest = part.partition('\\u0000"')
+        if head != str(k) or not sep:
+            return None  # markers out of text order, or one in a string: no cut
+        pieces.append(rest)
+    if _join(pieces, texts) != tail:
+        return None
+    return _TailCut(tuple(pieces), texts, tuple(trail for _, trail in found))
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def _join(pieces: Sequence[str], texts: Sequence[str]) -> str:
+    out = [pieces[0]]
+    for text, piece in zip(texts, pieces[1:], strict=True):
+        out += (text, piece)
+    return "".join(out)
+
+
+def _patched(kept: _Kept, cut: _TailCut, text: str, at: int) -> StagePlan | None:
+    """The kept plan with the scalars ``text`` holds from ``at`` on, if every other byte is
+    the kept pieces' and each value there is a scalar the full parse would accept."""
+    parser = _HeaderParser(0, kept.version, 0)  # for its scalar and leaf checks only
+    changed: list[tuple[tuple[int, ...], Any]] = []
+    pos = at
+    for piece, old, trail in zip(cut.pieces, cut.texts, cut.trails, strict=False):
+        if not text.startswith(piece, pos):
+            return None
+        pos += len(piece)
+        try:
+            raw, end = _DECODER.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        if text[pos:end] != old:
+            value = _scalar(parser, raw)
+            if value is _NOT_SCALAR:
+                return None
+            changed.append((trail, value))
+        pos = end
+    if len(text) - pos != len(cut.pieces[-1]) or not text.endswith(cut.pieces[-1]):
+        return None
+    plan = kept.header.plan
+    if not changed:
+        return plan
+    return StagePlan(_rebuilt(plan.root, changed), plan.tensors, plan.storages)
+
+
+_NOT_SCALAR: Final = object()
+
+
+def _scalar(parser: _HeaderParser, raw: Any) -> Any:
+    """The value the full parse reads from ``raw`` where a scalar was, or :data:`_NOT_SCALAR`."""
+    try:
+        if type(raw) is not list or not raw or raw[0] == "float":
+            return parser.scalar(raw, ())
+        if type(raw[0]) is str and raw[0] in _V2_LEAVES:
+            return parser.leaf(raw, ())
+    except IntegrityError:
+        pass  # the full parse raises it, with its key path
+    return _NOT_SCALAR
+
+
+def _rebuilt(node: Node, changed: list[tuple[tuple[int, ...], Any]]) -> Node:
+    """``node`` with the scalars at ``changed`` (child index trails, values) replaced, and
+    the containers on their way rebuilt (everything else shared)."""
+    if isinstance(node, DictNode):
+        return dataclasses.replace(node, values=_replaced(node.values, changed))
+    assert isinstance(node, SeqNode)
+    return dataclasses.replace(node, items=_replaced(node.items, changed))
+
+
+def _replaced(children: tuple[Node, ...], changed: list[tuple[tuple[int, ...], Any]]) -> tuple[Node, ...]:
+    below: dict[int, list[tuple[tuple[int, ...], Any]]] = collections.defaultdict(list)
+    for trail, value in changed:
+        below[trail[0]].append((trail[1:], value))
+    out = list(children)
+    for i, under in below.items():
+        if len(under) == 1 and not under[0][0]:
+            out[i] = AtomNode(under[0][1])
+        else:
+            out[i] = _rebuilt(out[i], under)
+    return tuple(out)

@@ -86,8 +86,8 @@ CHANGES: dict[str, Callable[[dict[str, Any]], None]] = {
     "storage becomes shared": lambda s: s["model"].update(w5=s["model"]["w4"][1]),
     "transposed": lambda s: s["model"].update(w3=s["model"]["w3"].t()),
     "requires_grad": lambda s: s["model"]["w3"].requires_grad_(True),
-    "leaf value": lambda s: s["optim"]["param_groups"][0].update(lr=0.2),
-    "leaf type": lambda s: s["optim"]["param_groups"][0].update(lr=1),
+    "scalar to list": lambda s: s["optim"]["param_groups"][0].update(lr=[0.1, 0.2]),
+    "scalar to tensor": lambda s: s["optim"]["param_groups"][0].update(lr=torch.tensor(0.1)),
     "list to tuple": lambda s: s["optim"]["param_groups"][0].update(params=tuple(range(50))),
     "same bytes, other sizes": lambda s: s["model"].update(w3=torch.randn(6, 2)),
 }
@@ -190,3 +190,92 @@ def test_a_header_not_written_by_the_encoder_is_always_parsed_in_full() -> None:
     for _ in range(3):
         assert_parsed_as_in_full(cache, odd)
     assert cache.reused == 0
+
+
+# -- scalars that change: the kept plan, with those scalars replaced -------------------------
+
+
+def _group(s: dict[str, Any]) -> dict[str, Any]:
+    group: dict[str, Any] = s["optim"]["param_groups"][0]
+    return group
+
+
+SCALARS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "learning rate": lambda s: _group(s).update(lr=0.2),
+    "float to int": lambda s: _group(s).update(lr=1),
+    "to None": lambda s: _group(s).update(lr=None),
+    "to str": lambda s: _group(s).update(lr='a "quoted" \\ \u00e9'),
+    "to bool": lambda s: _group(s).update(lr=True),
+    "negative zero": lambda s: _group(s).update(lr=-0.0),
+    "infinity": lambda s: _group(s).update(lr=float("inf")),
+    "to bytes": lambda s: _group(s).update(lr=b"\x00\xff"),
+    "to complex": lambda s: _group(s).update(lr=1 - 2j),
+    "to dtype": lambda s: _group(s).update(lr=torch.bfloat16),
+    "large int": lambda s: _group(s).update(lr=2**100),
+    "list item": lambda s: _group(s)["params"].__setitem__(3, 99),
+    "several": lambda s: (_group(s).update(lr=0.3), _group(s)["params"].__setitem__(49, -1)),
+}
+
+
+@pytest.mark.parametrize("change", list(SCALARS))
+def test_a_changed_scalar_is_parsed_with_the_kept_plan_and_reads_as_a_full_parse(change: str) -> None:
+    cache, tree = HeaderCache(), state()
+    kept = cache.parse(prefix(tree))
+    SCALARS[change](tree)
+    for step in (2, 3):  # changed, then the same again
+        data = prefix(tree, step=step)
+        header = cache.parse(data)
+        assert header == parse_prefix(data)
+        assert header.plan != kept.plan
+        assert header.plan.tensors is kept.plan.tensors  # the structure is shared
+    assert cache.reused == 2
+    data = prefix(state(), step=4)  # and back to the kept values
+    assert cache.parse(data) == parse_prefix(data)
+    assert cache.reused == 3
+
+
+def test_a_nan_scalar_is_parsed_with_the_kept_plan() -> None:
+    cache, tree = HeaderCache(), state()
+    cache.parse(prefix(tree))
+    _group(tree).update(lr=float("nan"))
+    data = prefix(tree, step=2)
+    header, full = cache.parse(data), parse_prefix(data)
+    assert cache.reused == 1
+    lr = header.plan.root.values[1].values[1].items[0].values[0].value  # type: ignore[union-attr]
+    assert lr != lr  # NaN, which == cannot compare: the rest must equal
+    assert repr(header.plan) == repr(full.plan)
+
+
+HOSTILE_SCALARS: dict[str, bytes] = {
+    "NaN constant": b"NaN",
+    "malformed float": b'["float","nan2"]',
+    "malformed bytes": b'["bytes","!!"]',
+    "an object": b'{"a":1}',
+    "a tensor": b'["tensor",0]',
+    "a container": b'["list",[1,2]]',
+    "a space after it": b"0.5 ",
+    "not JSON": b"0.5.5",
+    "an unknown tag": b'["mystery",1]',
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_SCALARS))
+def test_a_forged_scalar_over_a_kept_structure_reads_or_raises_as_a_full_parse(case: str) -> None:
+    cache, tree = HeaderCache(), state()
+    cache.parse(prefix(tree))
+    data = prefix(tree, step=2)
+    old = b'"lr","params"],[0.1,'
+    assert old in data
+    forged = forge(data, lambda h: h.replace(old, b'"lr","params"],[' + HOSTILE_SCALARS[case] + b",", 1))
+    refused: str | None = None
+    try:
+        full = parse_prefix(forged)
+    except astage.IntegrityError as exc:
+        refused = str(exc)
+    if refused is None:
+        assert cache.parse(forged) == full
+    else:
+        with pytest.raises(astage.IntegrityError) as cached:
+            cache.parse(forged)
+        assert str(cached.value) == refused
+    assert_parsed_as_in_full(cache, data)  # the kept plan is still good
