@@ -49,7 +49,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final
 
-import anyio
 import torch
 
 from ._errors import KeyPath
@@ -62,7 +61,6 @@ from ._parse_bound import _text_tokens, _Tokens
 from ._plan import AtomNode, Node, iter_plan
 from ._rebuild import plain_tensor_mode
 from ._slices import Steps, run_steps, slice_over, within
-from ._threads import run_sync
 
 log = logging.getLogger("astage.layout_cache")
 
@@ -305,7 +303,6 @@ class LayoutCache:
         staged: Any,
         layout: FileLayout | PendingLayout,
         *,
-        limiter: anyio.CapacityLimiter | None,
         copy: int | None,
     ) -> FileLayout:
         """The complete layout of what :meth:`lay_out` returned for ``staged``.
@@ -321,12 +318,10 @@ class LayoutCache:
             layout = await self.lay_out_in_full(
                 staged, step=layout.layout.step, checkpoint_id=layout.layout.checkpoint_id
             )
-        await self.keep(staged, layout, limiter, copy)
+        await self.keep(staged, layout, copy)
         return layout
 
-    async def keep(
-        self, staged: Any, layout: FileLayout, limiter: anyio.CapacityLimiter | None, copy: int | None = None
-    ) -> None:
+    async def keep(self, staged: Any, layout: FileLayout, copy: int | None = None) -> None:
         """Keep ``layout`` (made by ``lay_out`` for ``staged``) for later trees of its structure.
 
         :param copy: the stager's serial of the copy ``staged`` is (``StageStats.copy``).
@@ -336,17 +331,8 @@ class LayoutCache:
         containers) is not kept; those saves are laid out in full every time.
         """
         try:
-            widest = dataclasses.replace(
-                layout,
-                owner_rank=RANK_LIMIT - 1,
-                holder_rank=RANK_LIMIT - 1,
-                step=INT64 - 1,
-                created=_WIDEST_TIME,
-            )
-            parts, spaces = await run_sync(widest.header_parts, [0] * len(layout.offsets), limiter=limiter)
-            if sum(map(len, parts)) + spaces > HEADER_CAP:
+            if not _fits_every_save(layout):
                 return
-            del parts, widest
             with gc_paused():  # the plan lives as long as the layout (astage._gc)
                 promote(layout.num_tensors)
                 kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
@@ -398,13 +384,15 @@ def _restamp(
         if made is None:
             return None
         layout = dataclasses.replace(layout, tree_json=made[0], tree_tokens=made[1])
-        widest = dataclasses.replace(
-            layout,
-            owner_rank=RANK_LIMIT - 1,
-            holder_rank=RANK_LIMIT - 1,
-            step=INT64 - 1,
-            created=_WIDEST_TIME,
-        )
-        if widest.header_nbytes() > HEADER_CAP:
+        if not _fits_every_save(layout):
             return None  # laid out in full, which refuses it
     return PendingLayout(layout, sources, kept.firsts)
+
+
+def _fits_every_save(layout: FileLayout) -> bool:
+    """Whether ``layout``'s header fits under the cap with the widest metadata any later save
+    can give it (ranks, step, time), so that re-stamping it can never break the cap."""
+    widest = dataclasses.replace(
+        layout, owner_rank=RANK_LIMIT - 1, holder_rank=RANK_LIMIT - 1, step=INT64 - 1, created=_WIDEST_TIME
+    )
+    return widest.header_nbytes() <= HEADER_CAP

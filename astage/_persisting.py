@@ -146,7 +146,7 @@ class Persister:
         assert layout is not None
         # A layout made in full is kept now that the caller is gone, for the saves to come.
         copy = job.stage_stats.copy if job.stage_stats is not None else None
-        layout = await self._layouts.finish(job.staged, layout, limiter=self._limiter, copy=copy)
+        layout = await self._layouts.finish(job.staged, layout, copy=copy)
         # Encoded and checksummed once, for the local file and (relabelled) the replica.
         # It views the staged buffers, which go back to the stager: dropped before that.
         encoded: Encoded | None = None

@@ -473,7 +473,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         refilled = stats.copy if stats is not None and trusted else None
         layout = await self._layouts.lay_out(staged, step=step, checkpoint_id=ckpt, refilled=refilled)
         copy = stats.copy if stats is not None else None
-        return await self._layouts.finish(staged, layout, limiter=None, copy=copy)
+        return await self._layouts.finish(staged, layout, copy=copy)
 
     async def _exchange_and_keep(
         self, encoded: Encoded, path: Path, deadline: float

@@ -95,7 +95,7 @@ async def kept_cache(staged: dict[str, Any]) -> LayoutCache:
     cache = LayoutCache(rank=0)
     layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
     assert isinstance(layout, FileLayout)
-    await cache.keep(staged, layout, None)
+    await cache.keep(staged, layout)
     return cache
 
 
@@ -322,7 +322,7 @@ async def test_a_copy_the_stager_refilled_is_walked_not_checked_again() -> None:
         cache = LayoutCache(rank=0)
         layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
         assert isinstance(layout, FileLayout)
-        await cache.keep(staged, layout, None, stats.copy)
+        await cache.keep(staged, layout, stats.copy)
         assert cache._kept is not None
         # Its plan armed its guards; a check of a chunk that finds none arms one again.
         cache._kept.fast.guards.clear()
@@ -353,7 +353,7 @@ async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
         cache = LayoutCache(rank=0)
         layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
         assert isinstance(layout, FileLayout)
-        await cache.keep(staged, layout, None, stats.copy)
+        await cache.keep(staged, layout, stats.copy)
         await stager.release(staged)
         # Misuse (the copy is the stager's now): a storage of another size under a tensor.
         staged["b"].set_(torch.full((5, 4), 9.0).untyped_storage(), 0, (3, 4))
@@ -375,7 +375,7 @@ async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_
     layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
     assert isinstance(layout, FileLayout)
     with collections_started() as collections:
-        await cache.keep(staged, layout, None)
+        await cache.keep(staged, layout)
         after = gc.get_count()[0]
     assert collections == []
     assert after < 50
@@ -396,3 +396,12 @@ async def test_saves_whose_scalars_change_restore_each_save_s_own_scalars(tmp_pa
             expected[step] = copy.deepcopy(sd)
         for step, want in expected.items():
             assert_same_tree(await ckpt.restore(step), want)
+
+
+@pytest.mark.parametrize("name", ["", "n" * 5000, "\u00e9\\"], ids=["short", "long", "escapes"])
+def test_header_nbytes_is_the_length_header_parts_makes(name: str) -> None:
+    staged = tree()
+    staged["nested"]["name"] = name
+    layout = lay_out(staged, owner_rank=3, step=2**40, checkpoint_id="7" * 32, holder_rank=1)
+    parts, spaces = layout.header_parts([0] * len(layout.offsets))
+    assert layout.header_nbytes() == sum(map(len, parts)) + spaces
