@@ -540,10 +540,16 @@ def iter_match(
 
 
 def set_atoms(tree: Any, atoms: AtomSlots, values: Iterable[tuple[int, Any]]) -> None:
-    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of)."""
+    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of).
+
+    Only where the slot is: a key or index that is gone raises ``LookupError`` (setting the
+    key would add it back, at the end of its dict).
+    """
     for slot, value in values:
         *steps, last = atoms.paths[slot]
         container = tree
         for step in steps:
             container = getattr(container, step.name) if type(step) is Attr else container[step]
+        if type(container) is not list and last not in container:
+            raise KeyError(last)
         container[last] = value

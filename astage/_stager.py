@@ -453,11 +453,18 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             self._pool.reclaim()
             raise
-        self._remember(plan, spare.serial, sources, seen, spare.tensors)
         atoms = spare.fast.atoms
         patched = {slot for slot, _ in patches}
         back = [(slot, atoms.values[slot]) for slot in spare.off_plan if slot not in patched]
-        set_atoms(spare.tree, atoms, back + patches)
+        try:
+            set_atoms(spare.tree, atoms, back + patches)
+        except (LookupError, TypeError, AttributeError) as exc:
+            # Its holder changed the tree after release() (which it must not): a new copy.
+            log.warning("a released copy was changed after its release (%r); staging a new one", exc)
+            fast, spare = spare.fast, None
+            self._pool.reclaim()
+            return await self._stage_new(fast, layout, sources, started, patches=patches)
+        self._remember(plan, spare.serial, sources, seen, spare.tensors)
         stats = self._record(
             plan, 0, len(plan.storages), 0.0, started, skip, copy=spare.serial, refilled=True
         )

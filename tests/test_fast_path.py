@@ -981,3 +981,21 @@ async def test_changed_scalars_and_skip_unchanged_together() -> None:
             assert stats.refilled
             assert stats.bytes_skipped == stats.bytes
             assert (staged["step"], staged["lr"]) == (step, 0.5 / step)
+
+
+async def test_a_released_copy_broken_after_its_release_is_replaced_by_a_new_copy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sd = trainer_like()
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        await stager.release(staged)
+        del staged["optim"]["param_groups"][0]["lr"]  # against release()'s contract
+        sd["optim"]["param_groups"][0]["lr"] = 0.01
+        with caplog.at_level("WARNING", logger="astage.stager"):
+            again = await stager.stage(sd)
+        assert again is not staged
+        assert_faithful(again, sd)
+        assert "changed after its release" in caplog.text
+        await stager.release(again)
+        assert await stager.stage(sd) is again  # and the new copy is refilled from then on
