@@ -280,10 +280,13 @@ def test_replicate_staged_sends_a_replica_encoded_beforehand_relabelled(tmp_path
 
 
 def advance(state: dict[str, Any], step: int) -> None:
-    """One training step, in place (the same storages, as an optimizer writes them)."""
+    """One training step, in place (the same storages, as an optimizer writes them), and
+    the scalars a training loop changes with it (a learning rate, a count in a list)."""
     with torch.no_grad():
         state["model"]["w"].add_(step)
         state["model"]["p"].mul_(step + 1)
+    state["meta"]["lr"] = 0.5 / step
+    state["meta"]["tags"][0] = step
     if step == 4:  # a new structure: laid out anew
         state["model"]["extra"] = torch.arange(3)
 
@@ -317,7 +320,8 @@ def test_repeated_replication_re_uses_the_layout_of_a_refilled_copy(tmp_path: Pa
     # replicate() encodes each round; a copy the stager refilled in place re-uses the kept
     # layout, walked not re-checked, and every replica is still the peer's exact state.
     # The holder parses a repeated structure's header with the plan it kept (steps 2 and
-    # 3), and in full when the structure changes (step 4).
+    # 3), and in full when the structure changes (step 4).  A learning rate and a count
+    # change every step: scalars, which none of that re-plans for.
     for result in run_group(2, kept_layout_target, str(tmp_path), timeout=90):
         rounds = result.unwrap()
         assert all(rounds[step]["ok"] for step in range(1, 5)), rounds
