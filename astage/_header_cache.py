@@ -14,8 +14,8 @@ might refuse, is parsed in full, so an error is raised exactly where ``parse_pre
 raises it, with its message.
 
 Scalars are data, not structure: a training loop's step count or learning rate changes
-every save.  The kept tree text is cut once around each scalar that sits in a dict's values
-or a sequence's items (:class:`_TailCut`); a later text whose every other byte equals the
+every save.  The kept tree text is cut once around each scalar that sits in a dict (its
+values or attributes) or a sequence (:class:`_TailCut`); a later text whose every other byte equals the
 kept pieces, and whose values between them each parse as a scalar the full parse accepts
 there, gets the kept plan with those scalars replaced (the containers above them rebuilt,
 nothing else).
@@ -195,13 +195,19 @@ def _reuse(kept: _Kept, prefix: CheckedPrefix) -> FileHeader | None:
     )
 
 
-def _slots(node: Node, trail: tuple[int, ...], out: list[tuple[AtomNode, tuple[int, ...]]]) -> None:
-    """Every scalar held by a dict's values or a sequence's items under ``node``, in text order."""
-    children: tuple[Node, ...] = ()
+def _children(node: Node) -> tuple[Node, ...]:
+    """A container's children in text order: a dict's values, then its attributes'."""
     if type(node) is DictNode:
-        children = node.values
-    elif type(node) is SeqNode:
-        children = node.items
+        return node.values + tuple(value for _, value in node.attrs)
+    if type(node) is SeqNode:
+        return node.items
+    return ()
+
+
+def _slots(node: Node, trail: tuple[int, ...], out: list[tuple[AtomNode, tuple[int, ...]]]) -> None:
+    """Every scalar held by a dict (values and attributes) or a sequence under ``node``, in
+    text order, with its trail of child indices (:func:`_children`)."""
+    children = _children(node)
     for i, child in enumerate(children):
         if type(child) is AtomNode:
             out.append((child, (*trail, i)))
@@ -313,7 +319,10 @@ def _rebuilt(node: Node, changed: list[tuple[tuple[int, ...], Any]]) -> Node:
     """``node`` with the scalars at ``changed`` (child index trails, values) replaced, and
     the containers on their way rebuilt (everything else shared)."""
     if isinstance(node, DictNode):
-        return dataclasses.replace(node, values=_replaced(node.values, changed))
+        children = _replaced(_children(node), changed)
+        count = len(node.values)
+        attrs = tuple((name, value) for (name, _), value in zip(node.attrs, children[count:], strict=True))
+        return dataclasses.replace(node, values=children[:count], attrs=attrs)
     assert isinstance(node, SeqNode)
     return dataclasses.replace(node, items=_replaced(node.items, changed))
 
