@@ -83,7 +83,14 @@ from ._format_spec import FileHeader as FileHeader
 from ._format_spec import Segment as Segment
 from ._format_spec import Segments as Segments
 from ._gc import promote, without_gc
-from ._header_tree import _all_storable, _HeaderParser, _reject_constant, _TreeEncoder, _unique_keys
+from ._header_tree import (
+    _all_storable,
+    _HeaderParser,
+    _reject_constant,
+    _TreeEncoder,
+    _unique_keys,
+    json_text,
+)
 from ._limits import CHUNK_BYTES
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
@@ -428,7 +435,7 @@ class FileLayout:
             "created": self.created,
             "body_nbytes": self.body_nbytes,
         }
-        head = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        head = json_text(meta)
         return f"{head[:-1]},".encode("ascii")
 
 
@@ -488,9 +495,7 @@ def iter_lay_out(
             if spec.kind is TensorKind.DTENSOR
         ]
     yield
-    tree_json = json.dumps(
-        {"dtensors": dtensors, "tree": tree}, ensure_ascii=True, allow_nan=False, separators=(",", ":")
-    )[1:-1]
+    tree_json = json_text({"dtensors": dtensors, "tree": tree})[1:-1]
     yield
     del tree
     yield

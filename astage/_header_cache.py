@@ -15,7 +15,8 @@ raises it, with its message.
 
 Scalars are data, not structure: a training loop's step count or learning rate changes
 every save.  The kept tree text is cut once around each scalar that sits in a dict (its
-values or attributes) or a sequence (:class:`_TailCut`); a later text whose every other byte equals the
+values or attributes) or a sequence (:class:`_TailCut`, by :func:`astage._header_tree.iter_cut`,
+as the writer's layout cache cuts its own); a later text whose every other byte equals the
 kept pieces, and whose values between them each parse as a scalar the full parse accepts
 there, gets the kept plan with those scalars replaced (the containers above them rebuilt,
 nothing else).
@@ -27,8 +28,6 @@ import collections
 import dataclasses
 import json
 import logging
-import secrets
-from collections.abc import Sequence
 from typing import Any, Final
 
 from ._errors import IntegrityError
@@ -37,11 +36,11 @@ from ._gc import without_gc
 from ._header_tree import (
     _V2_LEAVES,
     _HeaderParser,
-    _leaf,
     _meta,
     _reject_constant,
-    _TreeEncoder,
     _unique_keys,
+    iter_cut,
+    leaf_text,
 )
 from ._plan import AtomNode, DictNode, Node, SeqNode, StagePlan
 from ._slices import drive
@@ -215,61 +214,32 @@ def _slots(node: Node, trail: tuple[int, ...], out: list[tuple[AtomNode, tuple[i
             _slots(child, (*trail, i), out)
 
 
-class _Marking(_TreeEncoder):
-    """The tree encoder, writing a marker string in place of each of some atoms."""
-
-    def __init__(self, plan: StagePlan, markers: dict[int, str]) -> None:
-        super().__init__(plan, storable=True)  # a parsed plan holds storable tensors only
-        self.markers = markers
-
-    def node(self, n: Node, path: Any, depth: int) -> Any:
-        if type(n) is AtomNode and id(n) in self.markers:
-            return self.markers[id(n)]
-        return (yield from super().node(n, path, depth))
-
-
 def _cut(header: FileHeader, tail: str) -> _TailCut | None:
     """``tail`` (header's tree text) cut around its scalars, or ``None`` where it has none,
     holds DTensor notes, or is not exactly what astage's encoder writes for the plan.
 
     Once per structure, in the parsing worker thread: a walk of the plan (~1 us a tensor).
     """
-    if any(note is not None for note in header.dtensors):
+    if any(note is not None for note in header.dtensors) or not tail.endswith("}"):
         return None
     found: list[tuple[AtomNode, tuple[int, ...]]] = []
     _slots(header.plan.root, (), found)
-    if not found or len({id(node) for node, _ in found}) != len(found):
+    if not found:
         return None
-    nonce = secrets.token_hex(8)  # no key or string of the tree holds it by chance
-    markers = {id(node): f"\0{nonce}:{k}\0" for k, (node, _) in enumerate(found)}
     try:
-        tree = drive(_Marking(header.plan, markers).node(header.plan.root, (), 0))
-        marked = '"dtensors":[],"tree":' + _dumps(tree) + "}"
-        texts = tuple(_dumps(_leaf(node.value)) for node, _ in found)
-    except (TypeError, ValueError, RecursionError) as exc:
+        cut = drive(iter_cut(header.plan, [node for node, _ in found], tail[:-1]))
+    except (TypeError, ValueError, RecursionError) as exc:  # a plan the encoder refuses
         log.debug("no scalar cut of this header: %r", exc)
         return None
-    parts = marked.split(f'"\\u0000{nonce}:')
-    pieces = [parts[0]]
-    for k, part in enumerate(parts[1:]):
-        head, sep, rest = part.partition('\\u0000"')
-        if head != str(k) or not sep:
-            return None  # markers out of text order, or one in a string: no cut
-        pieces.append(rest)
-    if _join(pieces, texts) != tail:
+    if cut is None:
         return None
-    return _TailCut(tuple(pieces), texts, tuple(trail for _, trail in found))
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-
-
-def _join(pieces: Sequence[str], texts: Sequence[str]) -> str:
-    out = [pieces[0]]
-    for text, piece in zip(texts, pieces[1:], strict=True):
-        out += (text, piece)
-    return "".join(out)
+    pieces, order = cut
+    pieces[-1] += "}"
+    return _TailCut(
+        tuple(pieces),
+        tuple(leaf_text(found[k][0].value) for k in order),
+        tuple(found[k][1] for k in order),
+    )
 
 
 def _patched(kept: _Kept, cut: _TailCut, text: str, at: int) -> StagePlan | None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import binascii
 import collections
+import json
 import math
+import re
+import secrets
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
 from operator import attrgetter
@@ -339,6 +342,94 @@ class _TreeEncoder:
 
 
 _position = attrgetter("position")
+
+
+def json_text(value: Any) -> str:
+    """``value`` as the header writes JSON: compact, ASCII, no NaN constants."""
+    return json.dumps(value, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def leaf_text(value: Any) -> str:
+    """A leaf's text in a header's tree (:func:`_leaf`), or raise TypeError/ValueError."""
+    return json_text(_leaf(value))
+
+
+def _is_container(x: Any) -> bool:
+    return type(x) is list or type(x) is dict
+
+
+def iter_json_text(x: Any) -> Steps[str]:
+    """:func:`json_text` of a JSON tree, in time slices: in one call, the tree of an
+    optimizer's thousands of small dicts holds the loop ~6 ms.  The same text: lists and
+    dicts with ``str`` keys joined with the same separators, everything else dumped whole."""
+    if type(x) is list and any(map(_is_container, x)):
+        items = []
+        for item in x:
+            items.append((yield from iter_json_text(item)))
+            if slice_over():
+                yield
+        return "[" + ",".join(items) + "]"
+    if type(x) is dict and all(type(key) is str for key in x):
+        members = []
+        for key, value in x.items():
+            members.append(json_text(key) + ":" + (yield from iter_json_text(value)))
+        return "{" + ",".join(members) + "}"
+    return json_text(x)
+
+
+class _MarkingEncoder(_TreeEncoder):
+    """The tree encoder, writing a marker string in place of each of some atoms."""
+
+    def __init__(self, plan: StagePlan, markers: dict[int, str]) -> None:
+        super().__init__(plan, storable=True)  # laid out or parsed once: every tensor is storable
+        self.markers = markers
+
+    def node(self, n: Node, path: KeyPath, depth: int) -> Steps[Any]:
+        if type(n) is AtomNode and id(n) in self.markers:
+            return self.markers[id(n)]
+        return (yield from super().node(n, path, depth))
+
+
+def iter_cut(
+    plan: StagePlan, atoms: Sequence[AtomNode], text: str
+) -> Steps[tuple[list[str], list[int]] | None]:
+    """``text``, the tree members a header of ``plan`` holds (``"dtensors":[],"tree":...``),
+    cut around each of ``atoms``' texts, in time slices: the pieces, and which atom's text
+    (its index in ``atoms``) lies between each two.  ``None`` unless the pieces joined with
+    the atoms' :func:`leaf_text` give ``text`` back exactly (another layout, DTensor notes,
+    an atom met twice).
+
+    The cut is found by encoding the plan with a marker in place of each atom (a random
+    nonce: no key or string of the tree holds it by chance) and splitting at the markers.
+    """
+    nonce = secrets.token_hex(8)
+    markers = {id(node): f"\0{nonce}:{k}\0" for k, node in enumerate(atoms)}
+    if len(markers) != len(atoms):
+        return None
+    tree = yield from _MarkingEncoder(plan, markers).node(plan.root, (), 0)
+    marked = '"dtensors":[],"tree":' + (yield from iter_json_text(tree))
+    del tree
+    yield
+    parts = re.split(rf'"\\u0000{nonce}:(\d+)\\u0000"', marked)
+    del marked
+    yield
+    pieces, order = parts[0::2], [int(k) for k in parts[1::2]]
+    if sorted(order) != list(range(len(atoms))):
+        return None
+    texts = []
+    for k in order:
+        try:
+            texts.append(leaf_text(atoms[k].value))
+        except (TypeError, ValueError):  # not a value a header holds: then it was not laid out
+            return None
+        if slice_over():
+            yield
+    joined = [pieces[0]]
+    for atom, piece in zip(texts, pieces[1:], strict=True):
+        joined += (atom, piece)
+    if "".join(joined) != text:
+        return None
+    return pieces, order
 
 
 def _all_storable(specs: Sequence[TensorSpec]) -> bool:

@@ -40,25 +40,20 @@ can have, before a layout is kept.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import logging
-import re
-import secrets
 import time
 from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
 
-from ._errors import KeyPath
 from ._format import HEADER_CAP, FileLayout, iter_lay_out
 from ._gc import gc_paused, promote
-from ._header_tree import _leaf, _TreeEncoder
+from ._header_tree import iter_cut, leaf_text
 from ._limits import INT64, RANK_LIMIT
 from ._match import FastPlan, iter_fast_plan, iter_match
 from ._parse_bound import _text_tokens, _Tokens
-from ._plan import AtomNode, Node, iter_plan
+from ._plan import iter_plan
 from ._rebuild import plain_tensor_mode
 from ._slices import Steps, run_steps, slice_over, within
 
@@ -115,7 +110,7 @@ class _AtomText:
         cost, escape = self.cost, self.pieces_escape
         for slot, value in patches:
             try:
-                text = _atom_json(value)
+                text = leaf_text(value)
             except (TypeError, ValueError):
                 return None
             tokens = _text_tokens(text.encode("ascii"))
@@ -127,84 +122,29 @@ class _AtomText:
         return "".join(parts), _Tokens(cost, escape)
 
 
-def _atom_json(value: Any) -> str:
-    """A scalar's text in a header's tree, as :func:`astage._format.lay_out` writes it."""
-    return json.dumps(_leaf(value), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-
-
-_dumps = functools.partial(json.dumps, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-
-
-def _is_container(x: Any) -> bool:
-    return type(x) is list or type(x) is dict
-
-
-def _iter_dumps(x: Any) -> Steps[str]:
-    """``_dumps(x)`` in time slices: in one call, the JSON tree of an optimizer's thousands
-    of small dicts held the loop ~6 ms.  (What it makes is checked against the laid-out
-    JSON: a difference only costs the cut.)"""
-    if type(x) is list and any(map(_is_container, x)):
-        items = []
-        for item in x:
-            items.append((yield from _iter_dumps(item)))
-            if slice_over():
-                yield
-        return "[" + ",".join(items) + "]"
-    if type(x) is dict:
-        members = []
-        for key, value in x.items():
-            members.append(_dumps(key) + ":" + (yield from _iter_dumps(value)))
-        return "{" + ",".join(members) + "}"
-    return _dumps(x)
-
-
-class _MarkingEncoder(_TreeEncoder):
-    """The tree encoder, writing a marker string in place of each slotted atom."""
-
-    def __init__(self, fast: FastPlan, markers: dict[int, str]) -> None:
-        super().__init__(fast.plan, storable=True)  # the layout was made: every tensor is storable
-        self.markers = markers
-
-    def node(self, n: Node, path: KeyPath, depth: int) -> Steps[Any]:
-        if type(n) is AtomNode and id(n) in self.markers:
-            return self.markers[id(n)]
-        return (yield from super().node(n, path, depth))
-
-
 def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
     """``layout``'s tree JSON cut around ``fast``'s atom slots, or ``None`` where the plan has
     none or the cut does not give the laid-out JSON back exactly."""
     atoms = fast.atoms
     if not atoms.nodes:
         return None
-    nonce = secrets.token_hex(8)  # no key or string of the tree can hold it by chance
-    markers = {id(node): f"\0{nonce}:{slot}\0" for slot, node in enumerate(atoms.nodes)}
-    tree = yield from _MarkingEncoder(fast, markers).node(fast.plan.root, (), 0)
-    marked = '"dtensors":[],"tree":' + (yield from _iter_dumps(tree))
-    del tree
-    yield
-    parts: list[str] = re.split(rf'"\\u0000{nonce}:(\d+)\\u0000"', marked)
-    del marked
-    yield
-    count = len(atoms.nodes)
-    at = [-1] * count
-    tokens: list[_Tokens] = [_Tokens(0, False)] * count
-    for i in range(1, len(parts), 2):
-        slot = int(parts[i])
-        if slot >= count or at[slot] >= 0:
-            return None
-        at[slot] = i
-        parts[i] = _atom_json(atoms.values[slot])
-        tokens[slot] = _text_tokens(parts[i].encode("ascii"))
+    cut = yield from iter_cut(fast.plan, atoms.nodes, layout.tree_json)
+    if cut is None:
+        return None
+    pieces, order = cut
+    parts: list[str] = [pieces[0]]
+    at = [0] * len(order)
+    tokens: list[_Tokens] = [_Tokens(0, False)] * len(order)
+    for slot, piece in zip(order, pieces[1:], strict=True):
+        at[slot] = len(parts)
+        parts += (leaf_text(atoms.values[slot]), piece)
+        tokens[slot] = _text_tokens(parts[at[slot]].encode("ascii"))
         if slice_over():
             yield
-    if -1 in at or "".join(parts) != layout.tree_json:
-        return None
-    yield
-    pieces = _text_tokens("".join(parts[0::2]).encode("ascii"))
-    escaped = frozenset(slot for slot in range(count) if tokens[slot].escapes)
-    cost = pieces.cost + sum(t.cost for t in tokens)
-    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, pieces.escapes, escaped)
+    joined = _text_tokens("".join(pieces).encode("ascii"))
+    escaped = frozenset(slot for slot, t in enumerate(tokens) if t.escapes)
+    cost = joined.cost + sum(t.cost for t in tokens)
+    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, joined.escapes, escaped)
 
 
 @dataclasses.dataclass(eq=False)

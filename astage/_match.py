@@ -110,7 +110,7 @@ class AtomSlots:
     container, then its key or index there."""
     values: tuple[Any, ...]
     """The value the plan holds at each slot."""
-    nodes: tuple[Node, ...] = ()
+    nodes: tuple[AtomNode, ...] = ()
     """The plan's :class:`AtomNode` at each slot."""
 
 
@@ -152,7 +152,7 @@ class _SlotsMade:
         self.by_values: dict[int, tuple[int, ...]] = {}
         self.paths: list[tuple[Any, ...]] = []
         self.values: list[Any] = []
-        self.nodes: list[Node] = []
+        self.nodes: list[AtomNode] = []
 
     def add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> None:
         """Give a slot to each patchable atom of ``nodes``, the values of a dict or list."""
