@@ -56,7 +56,7 @@ from ._copy import (
 from ._errors import ClosedError, EventLoopError, UnsupportedInputError
 from ._events import STRATEGIES, Strategy, wait_event
 from ._gc import gc_paused, promote
-from ._match import FastPlan, iter_fast_plan, iter_match, set_atoms
+from ._match import AtomSlots, FastPlan, iter_fast_plan, iter_match, set_atoms
 from ._options import (
     ResolvedOptions,
     StagingOptions,
@@ -349,7 +349,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             del spare
             return await self._refill(sources, layout, started, patches)
         del spare
-        return await self._stage_new(fast, layout, sources, started, patches=patches)
+        return await self._stage_new(fast.plan, layout, sources, started, patches=(fast.atoms, patches))
 
     async def _stage_first(self, state_dict: Any, started: float) -> tuple[Any, StageStats]:
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
@@ -364,21 +364,20 @@ class DefaultStager(anyio.abc.AsyncResource):
             layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
             fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout
-        return await self._stage_new(fast or source.plan, layout, list(source.tensors), started, first=True)
+        return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 
     async def _stage_new(
         self,
-        planned: FastPlan | StagePlan,
+        plan: StagePlan,
         layout: CopyLayout,
         sources: list[torch.Tensor],
         started: float,
         *,
         first: bool = False,
-        patches: Sequence[tuple[int, Any]] = (),
+        patches: _Patches | None = None,
     ) -> tuple[Any, StageStats]:
-        """Stage into newly leased buffers and build a new tree over them (with ``patches``
-        of ``planned``'s atoms, when it is a :class:`FastPlan`)."""
-        plan = planned.plan if isinstance(planned, FastPlan) else planned
+        """Stage into newly leased buffers and build a new tree over them (with ``patches``:
+        the plan's atom slots and the changed scalars to put there)."""
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
         # The collector runs while this waits for buffers: a copy that only a reference cycle
@@ -391,19 +390,18 @@ class DefaultStager(anyio.abc.AsyncResource):
         with gc_paused() if first else contextlib.nullcontext():
             if first:
                 promote(len(plan.tensors))
-            return await self._fill_new(planned, layout, sources, lease, started, patches)
+            return await self._fill_new(plan, layout, sources, lease, started, patches)
 
     async def _fill_new(
         self,
-        planned: FastPlan | StagePlan,
+        plan: StagePlan,
         layout: CopyLayout,
         sources: list[torch.Tensor],
         lease: Lease,
         started: float,
-        patches: Sequence[tuple[int, Any]],
+        patches: _Patches | None,
     ) -> tuple[Any, StageStats]:
         """Copy into a new lease and build the tree over it; hand it out."""
-        plan = planned.plan if isinstance(planned, FastPlan) else planned
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
         seen = self._see(sources)
@@ -412,8 +410,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
             rebuilder = Rebuilder(plan, staged_locals.__getitem__)
             staged = await self._run(rebuilder.node(plan.root))
-            if patches:
-                set_atoms(staged, cast(FastPlan, planned).atoms, patches)
+            if patches is not None:
+                set_atoms(staged, *patches)
         except BaseException as exc:
             # No copy is in flight any more (the copy paths wait for theirs).  Tensors over the
             # leased buffers may survive in this frame and in the traceback's frames, where a
@@ -442,7 +440,18 @@ class DefaultStager(anyio.abc.AsyncResource):
         assert spare is not None  # checked by the caller, with no await since
         self._spare = None
         self._pool.unkeep(spare.serial)
-        plan = spare.fast.plan
+        plan, atoms = spare.fast.plan, spare.fast.atoms
+        # The scalars first: a tree its holder broke after release() (which it must not)
+        # is dropped before anything is copied into it, and a new copy is staged.
+        patched = {slot for slot, _ in patches}
+        back = [(slot, atoms.values[slot]) for slot in spare.off_plan if slot not in patched]
+        try:
+            set_atoms(spare.tree, atoms, back + patches)
+        except (LookupError, TypeError, AttributeError) as exc:
+            log.warning("a released copy was changed after its release (%r); staging a new one", exc)
+            spare = None
+            self._pool.reclaim()
+            return await self._stage_new(plan, layout, sources, started, patches=(atoms, patches))
         seen = self._see(sources)
         skip = self._unchanged(spare, seen)
         try:
@@ -453,17 +462,6 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             self._pool.reclaim()
             raise
-        atoms = spare.fast.atoms
-        patched = {slot for slot, _ in patches}
-        back = [(slot, atoms.values[slot]) for slot in spare.off_plan if slot not in patched]
-        try:
-            set_atoms(spare.tree, atoms, back + patches)
-        except (LookupError, TypeError, AttributeError) as exc:
-            # Its holder changed the tree after release() (which it must not): a new copy.
-            log.warning("a released copy was changed after its release (%r); staging a new one", exc)
-            fast, spare = spare.fast, None
-            self._pool.reclaim()
-            return await self._stage_new(fast, layout, sources, started, patches=patches)
         self._remember(plan, spare.serial, sources, seen, spare.tensors)
         stats = self._record(
             plan, 0, len(plan.storages), 0.0, started, skip, copy=spare.serial, refilled=True
@@ -834,6 +832,9 @@ class _Released:
 
 
 _VERSION: Final = operator.attrgetter("_version")
+
+_Patches = tuple[AtomSlots, Sequence[tuple[int, Any]]]
+"""A plan's atom slots and the changed scalars to put into a staged tree (``set_atoms``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
