@@ -40,7 +40,6 @@ from ._header_tree import (
     _reject_constant,
     _unique_keys,
     iter_cut,
-    leaf_text,
 )
 from ._plan import AtomNode, DictNode, Node, SeqNode, StagePlan
 from ._slices import drive
@@ -233,13 +232,9 @@ def _cut(header: FileHeader, tail: str) -> _TailCut | None:
         return None
     if cut is None:
         return None
-    pieces, order = cut
+    pieces, order, texts = cut
     pieces[-1] += "}"
-    return _TailCut(
-        tuple(pieces),
-        tuple(leaf_text(found[k][0].value) for k in order),
-        tuple(found[k][1] for k in order),
-    )
+    return _TailCut(tuple(pieces), tuple(texts), tuple(found[k][1] for k in order))
 
 
 def _patched(kept: _Kept, cut: _TailCut, text: str, at: int) -> StagePlan | None:

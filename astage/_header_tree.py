@@ -392,10 +392,10 @@ class _MarkingEncoder(_TreeEncoder):
 
 def iter_cut(
     plan: StagePlan, atoms: Sequence[AtomNode], text: str
-) -> Steps[tuple[list[str], list[int]] | None]:
+) -> Steps[tuple[list[str], list[int], list[str]] | None]:
     """``text``, the tree members a header of ``plan`` holds (``"dtensors":[],"tree":...``),
-    cut around each of ``atoms``' texts, in time slices: the pieces, and which atom's text
-    (its index in ``atoms``) lies between each two.  ``None`` unless the pieces joined with
+    cut around each of ``atoms``' texts, in time slices: the pieces, which atom (its index in
+    ``atoms``) lies between each two, and its text there.  ``None`` unless the pieces joined with
     the atoms' :func:`leaf_text` give ``text`` back exactly (another layout, DTensor notes,
     an atom met twice).
 
@@ -429,7 +429,7 @@ def iter_cut(
         joined += (atom, piece)
     if "".join(joined) != text:
         return None
-    return pieces, order
+    return pieces, order, texts
 
 
 def _all_storable(specs: Sequence[TensorSpec]) -> bool:

@@ -131,14 +131,14 @@ def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
     cut = yield from iter_cut(fast.plan, atoms.nodes, layout.tree_json)
     if cut is None:
         return None
-    pieces, order = cut
+    pieces, order, texts = cut
     parts: list[str] = [pieces[0]]
     at = [0] * len(order)
     tokens: list[_Tokens] = [_Tokens(0, False)] * len(order)
-    for slot, piece in zip(order, pieces[1:], strict=True):
+    for slot, text, piece in zip(order, texts, pieces[1:], strict=True):
         at[slot] = len(parts)
-        parts += (leaf_text(atoms.values[slot]), piece)
-        tokens[slot] = _text_tokens(parts[at[slot]].encode("ascii"))
+        parts += (text, piece)
+        tokens[slot] = _text_tokens(text.encode("ascii"))
         if slice_over():
             yield
     joined = _text_tokens("".join(pieces).encode("ascii"))
