@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import heapq
+import itertools
+import operator
 import os
 import threading
 from collections.abc import Callable, Collection, Sequence
@@ -35,6 +37,12 @@ from ._limits import CHUNK_BYTES
 from ._plan import StagePlan
 from ._slices import Steps, slice_over
 from ._threads import Call
+
+_STORAGE: Final = operator.attrgetter("storage")
+_DTYPE: Final = operator.attrgetter("dtype")
+_IS_CPU: Final = operator.attrgetter("is_cpu")
+_NBYTES: Final = operator.attrgetter("nbytes")
+_DATA_PTR: Final = torch.Tensor.data_ptr
 
 Batch = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Staged tensors and their sources, copied pairwise by one ``torch._foreach_copy_``."""
@@ -265,9 +273,13 @@ def iter_batches(
         batch_idx, batch_bytes, direct = layout.host, layout.host_bytes, layout.host_direct
     else:
         batch_idx, batch_bytes, direct = layout.device, layout.device_bytes, ()
+    if skip:
+        # Whether each tensor's storage is copied, a column at a time (maps of C functions).
+        copied = list(map(operator.not_, map(skip.__contains__, range(len(storages)))))
+        copied_of = list(map(copied.__getitem__, map(_STORAGE, tensors)))
     for b, (idx, nbytes) in enumerate(zip(batch_idx, batch_bytes, strict=True)):
         if skip:
-            kept = tuple(i for i in idx if tensors[i].storage not in skip)
+            kept = tuple(itertools.compress(idx, map(copied_of.__getitem__, idx)))
             if not kept:
                 continue
             if len(kept) != len(idx):
@@ -336,7 +348,31 @@ def run_batch(batch: Batch, non_blocking: bool = False) -> None:
 
 def _run_direct(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """Copy a :class:`DirectBatch`: ``memmove`` (which releases the GIL) for each pair whose
-    source is, right now, what ``copy_`` would copy bit for bit; ``copy_`` for any other."""
+    source is, right now, what ``copy_`` would copy bit for bit; ``copy_`` for any other.
+
+    The batch is checked a column at a time (maps of C methods, no Python frame a pair),
+    and pair by pair only when that finds a pair ``memmove`` would not copy.  Each source's
+    storage is still measured right before its own ``memmove``: that check is what keeps
+    a storage shrunk meanwhile from being read past its end.
+    """
+    sizes = list(map(_NBYTES, dsts))
+    if not (
+        list(map(_DTYPE, srcs)) == list(map(_DTYPE, dsts))
+        and all(map(_IS_CPU, srcs))
+        and list(map(_NBYTES, srcs)) == sizes
+        and all(map(torch.Tensor.is_contiguous, srcs))
+        and not any(map(torch.Tensor.is_conj, srcs))
+        and not any(map(torch.Tensor.is_neg, srcs))
+    ):
+        _run_direct_pairs(dsts, srcs)
+        return
+    for d, s, n in zip(map(_DATA_PTR, dsts), srcs, sizes, strict=True):
+        _check_bound(s, n)
+        ctypes.memmove(d, s.data_ptr(), n)
+
+
+def _run_direct_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """:func:`_run_direct` a pair at a time: ``copy_`` for the pairs it would not ``memmove``."""
     for d, s in zip(dsts, srcs, strict=True):
         n = d.nbytes
         if not (
@@ -350,14 +386,19 @@ def _run_direct(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             with torch.no_grad():
                 d.copy_(s)
             continue
-        have, need = s.untyped_storage().nbytes(), s.storage_offset() * s.element_size() + n
-        if have < need:  # (copy_ would read past the end of it)
-            raise UnsupportedInputError(
-                (),
-                f"a source tensor's storage shrank to {have:,} bytes while it was being staged "
-                f"(its tensor needs {need:,}); nothing was read from it",
-            )
+        _check_bound(s, n)
         ctypes.memmove(d.data_ptr(), s.data_ptr(), n)
+
+
+def _check_bound(src: torch.Tensor, nbytes: int) -> None:
+    """Raise unless ``src``'s storage holds the ``nbytes`` from its data pointer on."""
+    have, need = src.untyped_storage().nbytes(), src.storage_offset() * src.element_size() + nbytes
+    if have < need:  # (copy_ would read past the end of it)
+        raise UnsupportedInputError(
+            (),
+            f"a source tensor's storage shrank to {have:,} bytes while it was being staged "
+            f"(its tensor needs {need:,}); nothing was read from it",
+        )
 
 
 async def copy_in_threads(work: CopyWork, limiter: anyio.CapacityLimiter | None, lanes: int = 1) -> None:

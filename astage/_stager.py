@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import itertools
 import logging
 import operator
 import threading
@@ -547,14 +548,18 @@ class DefaultStager(anyio.abc.AsyncResource):
         before = last.seen
         if seen == before and 0 not in before.versions:
             return set(storages)
-        tensors = spare.fast.plan.tensors
-        changed = {
-            tensors[i].storage
-            for i, (v, ptr, v0, ptr0) in enumerate(
-                zip(seen.versions, seen.data_ptrs, before.versions, before.data_ptrs, strict=True)
-            )
-            if v != v0 or v0 == 0 or ptr != ptr0
-        }
+        # A column at a time, each a map of a C function: no Python frame a tensor.
+        storage_of = list(map(_STORAGE, spare.fast.plan.tensors))
+        if not len(storage_of) == len(seen.versions) == len(before.versions):
+            return set()  # (one plan's sources: never)
+        moved = map(
+            operator.or_,
+            map(operator.ne, seen.versions, before.versions),
+            map(operator.ne, seen.data_ptrs, before.data_ptrs),
+        )
+        changed = set(itertools.compress(storage_of, moved))
+        if 0 in before.versions:
+            changed.update(itertools.compress(storage_of, map((0).__eq__, before.versions)))
         return set(storages) - changed
 
     async def _copy_from_host(self, work: CopyWork) -> None:
@@ -598,7 +603,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         refilled: bool = False,
     ) -> StageStats:
         storages = plan.storages
-        skipped_tensors = sum(1 for t in plan.tensors if t.storage in skipped) if skipped else 0
+        skipped_tensors = sum(map(skipped.__contains__, map(_STORAGE, plan.tensors))) if skipped else 0
         fast = self._fast
         stats = StageStats(
             tensors=len(plan.tensors),
@@ -832,6 +837,7 @@ class _Released:
 
 
 _VERSION: Final = operator.attrgetter("_version")
+_STORAGE: Final = operator.attrgetter("storage")
 
 _Patches = tuple[AtomSlots, Sequence[tuple[int, Any]]]
 """A plan's atom slots and the changed scalars to put into a staged tree (``set_atoms``)."""
