@@ -126,3 +126,47 @@ def test_every_pair_of_a_direct_batch_is_copied() -> None:
     dsts, srcs = zip(*(pair(MIDDLING + i) for i in range(5)), strict=True)
     run_batch(DirectBatch((list(dsts), list(srcs))))
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+
+
+def _not_contiguous() -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randn(MIDDLING, 2).t()[0]
+    return src, src.contiguous()
+
+
+def _other_dtype() -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randn(MIDDLING)
+    src.data = torch.arange(MIDDLING, dtype=torch.float64)
+    return src, torch.arange(MIDDLING, dtype=torch.float32)
+
+
+def _negated() -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randn(MIDDLING)
+    return torch._neg_view(src), -src
+
+
+ODD_SOURCES = {"not contiguous": _not_contiguous, "another dtype": _other_dtype, "neg bit": _negated}
+
+
+@pytest.mark.parametrize("odd", sorted(ODD_SOURCES))
+def test_one_odd_pair_among_plain_ones_is_copied_as_copy_copies_it_and_the_rest_exactly(odd: str) -> None:
+    """The batch is checked a column at a time; one pair that fails sends the whole batch
+    pair by pair, where that pair gets ``copy_`` and the others their ``memmove``."""
+    odd_src, expected = ODD_SOURCES[odd]()
+    plain = [pair(MIDDLING) for _ in range(4)]
+    dsts = [d for d, _ in plain[:2]] + [torch.full((MIDDLING,), -1.0)] + [d for d, _ in plain[2:]]
+    srcs = [s for _, s in plain[:2]] + [odd_src] + [s for _, s in plain[2:]]
+    run_batch(DirectBatch((dsts, srcs)))
+    assert torch.equal(dsts[2], expected)
+    assert all(bytes_equal(d, s) for d, s in zip(dsts[:2] + dsts[3:], srcs[:2] + srcs[3:], strict=True))
+
+
+def test_a_shrunk_storage_among_plain_pairs_is_refused_before_its_own_memmove() -> None:
+    """A storage that shrank passes every column (its tensor's metadata is unchanged): its
+    size is measured right before its own ``memmove``, which never reads it."""
+    plain = [pair(MIDDLING) for _ in range(3)]
+    dsts, srcs = [d for d, _ in plain], [s for _, s in plain]
+    srcs[1].untyped_storage().resize_(1024)
+    with pytest.raises(UnsupportedInputError, match="shrank to 1,024 bytes"):
+        run_batch(DirectBatch((dsts, srcs)))
+    assert torch.equal(dsts[0], srcs[0])
+    assert bool((dsts[1] == -1.0).all())
