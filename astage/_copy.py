@@ -205,10 +205,11 @@ def iter_copy_layout(
     sizes: dict[bool, list[int]] = {True: [], False: []}
     direct: list[bool] = []
     other: dict[bool, list[int]] = {True: [], False: []}
-    # The batch being filled, by kind: (on host, copied by memmove).
-    current: dict[tuple[bool, bool], tuple[list[int], list[int]]] = {}
+    # The batch being filled, by kind: (on host, copied by memmove, device).  A device
+    # batch holds one device's storages only: each device's copies go on its own stream.
+    current: dict[tuple[bool, bool, torch.device], tuple[list[int], list[int]]] = {}
 
-    def close(kind: tuple[bool, bool]) -> None:
+    def close(kind: tuple[bool, bool, torch.device]) -> None:
         idx, size = current.pop(kind)
         batches[kind[0]].append(tuple(idx))
         sizes[kind[0]].append(size[0])
@@ -224,7 +225,7 @@ def iter_copy_layout(
         if c is None or n > chunk_bytes:
             other[on_host].append(s)
             continue
-        kind = (on_host, on_host and _direct(n // tensors[c].dtype.itemsize, n))
+        kind = (on_host, on_host and _direct(n // tensors[c].dtype.itemsize, n), storage_spec.device)
         idx, size = current.setdefault(kind, ([], [0]))
         if idx and (size[0] + n > chunk_bytes or len(idx) >= MAX_BATCH_PAIRS):
             close(kind)
@@ -473,15 +474,37 @@ async def _copy_lane(
     call.take()
 
 
-def enqueue_device_copies(plan_batches: Sequence[Batch], side_stream: Any, compute_stream: Any) -> Any:
-    """Enqueue every batch non-blocking on ``side_stream``; return an event recorded after.
+def group_by_device(batches: Sequence[Batch]) -> dict[torch.device, list[Batch]]:
+    """The batches by the device of their sources, each device's in their order.
 
-    The side stream first waits for ``compute_stream`` so it never copies stale data.
-    Blocking only for the enqueueing: run it in a worker thread for big state_dicts,
-    through :func:`astage._threads.run_sync` (the batches view staging buffers).
+    A batch never mixes devices (:func:`iter_copy_layout` cuts one where the device
+    changes), so its first source names the device of all of them.
     """
-    side_stream.wait_stream(compute_stream)
-    with side_stream:
-        for batch in plan_batches:
-            run_batch(batch, non_blocking=True)
-        return side_stream.record_event()
+    groups: dict[torch.device, list[Batch]] = {}
+    for batch in batches:
+        groups.setdefault(batch[1][0].device, []).append(batch)
+    return groups
+
+
+DeviceCopy = tuple[Any, Any, Sequence[Batch]]
+"""One device's share of a copy: its side stream, its compute stream, and its batches."""
+
+
+def enqueue_device_copies(groups: Sequence[DeviceCopy]) -> list[Any]:
+    """Enqueue each device's batches non-blocking on its side stream; an event per device,
+    recorded after its copies.
+
+    Each side stream first waits for its device's compute stream, so it never copies stale
+    data; a copy from a device is enqueued on that device's side stream only, as a
+    non-blocking copy runs on the current stream of its source's device.  Blocking only
+    for the enqueueing: run it in a worker thread for big state_dicts, through
+    :func:`astage._threads.run_sync` (the batches view staging buffers).
+    """
+    events: list[Any] = []
+    for side_stream, compute_stream, batches in groups:
+        side_stream.wait_stream(compute_stream)
+        with side_stream:
+            for batch in batches:
+                run_batch(batch, non_blocking=True)
+            events.append(side_stream.record_event())
+    return events

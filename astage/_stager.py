@@ -47,9 +47,11 @@ from ._compat import refuse_torch_caller
 from ._copy import (
     CopyLayout,
     CopyWork,
+    DeviceCopy,
     copy_in_threads,
     copy_lanes,
     enqueue_device_copies,
+    group_by_device,
     iter_batches,
     iter_copy_layout,
     run_batch,
@@ -205,9 +207,13 @@ class DefaultStager(anyio.abc.AsyncResource):
             retain=_retain_buffers,
             allocate_inline=not r.async_copy,
         )
-        # Created here, on the constructing thread, after the caller's device setup, so it is
-        # never the compute stream.
-        self._side_stream: Any = torch.Stream() if r.non_blocking else None
+        # A side stream a device, the current device's made here, on the constructing
+        # thread, after the caller's device setup; another device's when a stage first
+        # copies from it.  New streams, so never a compute stream.
+        self._side_streams: dict[torch.device, Any] = {}
+        if r.non_blocking:
+            side = torch.Stream()
+            self._side_streams[side.device] = side
         self._inflight = 0
         self._idle: anyio.Event | None = None
         self._closed = False
@@ -570,24 +576,31 @@ class DefaultStager(anyio.abc.AsyncResource):
                 run_batch(batch)
 
     async def _copy_from_device(self, work: CopyWork) -> None:
-        side = self._side_stream
-        if side is None:  # blocking device copies, off the loop unless staging is inline
+        if not self._resolved.non_blocking:  # blocking device copies, off the loop unless inline
             await self._copy_from_host(work)
             return
-        plan_batches = work.batches
-        compute = torch.accelerator.current_stream()  # the caller's stream, on the loop thread
+        groups: list[DeviceCopy] = []
+        for device, batches in group_by_device(work.batches).items():
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams[device] = torch.Stream(device=device)
+            # The caller's stream on that device, read on the loop thread (streams are per thread).
+            groups.append((side, torch.accelerator.current_stream(device), batches))
+        sides = [side for side, _, _ in groups]
         try:
             if self._resolved.async_copy:
-                limiter = self._limiter
-                event = await run_sync(enqueue_device_copies, plan_batches, side, compute, limiter=limiter)
+                events = await run_sync(enqueue_device_copies, groups, limiter=self._limiter)
             else:
-                event = enqueue_device_copies(plan_batches, side, compute)
-            await wait_event(event, strategy=self._event_strategy)
+                events = enqueue_device_copies(groups)
+            del groups
+            for event in events:
+                await wait_event(event, strategy=self._event_strategy)
         except BaseException:
-            # Copies may still be in flight into the leased buffers: wait for all of them
-            # before the caller hands the buffers back.
+            # Copies may still be in flight into the leased buffers, on any of the devices:
+            # wait for all of them before the caller hands the buffers back.
             with anyio.CancelScope(shield=True):
-                await wait_event(side.record_event(), strategy=self._event_strategy)
+                for side in sides:
+                    await wait_event(side.record_event(), strategy=self._event_strategy)
             raise
 
     def _record(
