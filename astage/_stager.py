@@ -207,7 +207,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             retain=_retain_buffers,
             allocate_inline=not r.async_copy,
         )
-        # A side stream a device, the current device's made here, on the constructing
+        # One side stream per device: the current device's is made here, on the constructing
         # thread, after the caller's device setup; another device's when a stage first
         # copies from it.  New streams, so never a compute stream.
         self._side_streams: dict[torch.device, Any] = {}
