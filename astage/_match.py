@@ -154,8 +154,9 @@ class _SlotsMade:
         self.values: list[Any] = []
         self.nodes: list[AtomNode] = []
 
-    def add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> None:
-        """Give a slot to each patchable atom of ``nodes``, the values of a dict or list."""
+    def iter_add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> Steps[None]:
+        """Give a slot to each patchable atom of ``nodes``, the values of a dict or list, in
+        time slices: an optimizer's ``params`` list of 6,720 ints held the loop ~8 ms."""
         slots = [-1] * len(nodes)
         for i, n in enumerate(nodes):
             if type(n) is AtomNode and type(n.value) in _PATCHABLE:
@@ -163,6 +164,8 @@ class _SlotsMade:
                 self.paths.append((*path, keys[i]))
                 self.values.append(n.value)
                 self.nodes.append(n)
+            if not i & 255 and slice_over():
+                yield
         if any(k >= 0 for k in slots):
             self.by_values[id(nodes)] = tuple(slots)
 
@@ -191,13 +194,13 @@ def _eligible(
             if not _KEY_ATOMS.issuperset(types_):
                 return False
             key_types[memo] = types_
-            if not all(type(c) is TensorNode for c in values):
-                slots.add(path, keys, values)
+            if not _all_tensor_nodes(values):
+                yield from slots.iter_add(path, keys, values)
             children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
             steps: Sequence[Any] = keys + tuple(Attr(name) for name, _ in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
-            if cls is list and not all(type(c) is TensorNode for c in items):
-                slots.add(path, range(len(items)), items)
+            if cls is list and not _all_tensor_nodes(items):
+                yield from slots.iter_add(path, range(len(items)), items)
             children, steps = items, range(len(items))
         case _:
             return False
@@ -211,11 +214,26 @@ def _eligible(
         if slice_over():  # an optimizer's state: thousands of small dicts
             yield
     items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
-    if items_ and all(type(c) is TensorNode for c in items_):
+    if items_ and _all_tensor_nodes(items_):
         first = items_[0].position  # type: ignore[union-attr]
-        if all(c.position == first + i for i, c in enumerate(items_)):
-            runs[id(items_)] = first
+        # At C speed, a block at a time: a generator over a module's 20,000 tensors held
+        # the loop ~3 ms.
+        for start in range(0, len(items_), 2048):
+            block = items_[start : start + 2048]
+            if list(map(_position, block)) != list(range(first + start, first + start + len(block))):
+                return True
+            if slice_over():
+                yield
+        runs[id(items_)] = first
     return True
+
+
+_position = operator.attrgetter("position")
+
+
+def _all_tensor_nodes(nodes: Sequence[Node]) -> bool:
+    """Whether every node is a :class:`TensorNode` (at C speed)."""
+    return set(map(type, nodes)) <= {TensorNode}
 
 
 def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
@@ -234,7 +252,11 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         return None
     # The signatures are what tensor_signature() would read from the sources, built from
     # what the plan recorded of them: no tensor is asked again.
-    cdata = [st._cdata for st in source.storages]
+    cdata: list[int] = []
+    for start in range(0, len(source.storages), 2048):  # ~0.1 us each: 20,000 held the loop 2 ms
+        cdata += map(_cdata, source.storages[start : start + 2048])
+        if slice_over():
+            yield
     storages = plan.storages
     cls = {TensorKind.TENSOR: id(torch.Tensor), TensorKind.PARAMETER: id(torch.nn.Parameter)}
     signatures = []
@@ -257,14 +279,20 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         if slice_over():
             yield
     nbytes = 0
-    for start in range(0, len(storages), 4096):
-        nbytes += sum(s.nbytes for s in storages[start : start + 4096])
+    for start in range(0, len(storages), 1024):
+        nbytes += sum(s.nbytes for s in storages[start : start + 1024])
         if slice_over():
             yield
-    # At C speed: a Python loop over 20,000 tensors would hold the loop ~1.5 ms.
-    of = list(map(_storage_of, plan.tensors))
-    views = collections.Counter(of)
-    yield
+    # At C speed, a block at a time: a Python loop over 20,000 tensors would hold the loop
+    # ~1.5 ms, and one map and count over all of them ~2.5 ms.
+    of: list[int] = []
+    views: collections.Counter[int] = collections.Counter()
+    for start in range(0, len(plan.tensors), 2048):
+        block = list(map(_storage_of, plan.tensors[start : start + 2048]))
+        of += block
+        views.update(block)
+        if slice_over():
+            yield
     shared: tuple[int, ...] = ()
     if len(views) != len(of):
         shared = tuple(itertools.compress(range(len(of)), map((1).__lt__, map(views.__getitem__, of))))

@@ -132,9 +132,9 @@ def iter_distinct(items: Sequence[object]) -> Steps[bool]:
     """Whether no object appears twice in ``items`` (by identity), in time slices: a set
     of 20,000 ids made in one go holds the loop for milliseconds."""
     seen: set[int] = set()
-    for start in range(0, len(items), 2048):
-        seen.update(map(id, items[start : start + 2048]))
-        if len(seen) != min(start + 2048, len(items)):
+    for start in range(0, len(items), 512):
+        seen.update(map(id, items[start : start + 512]))
+        if len(seen) != min(start + 512, len(items)):
             return False
         if slice_over():
             yield
@@ -146,6 +146,17 @@ def iter_drop(items: list[Any], block: int = 1024) -> Steps[None]:
     to 20,000 small records, dropped at once, frees them all in one go (milliseconds)."""
     while items:
         del items[-block:]
+        if slice_over():
+            yield
+
+
+def iter_clear(mapping: dict[Any, Any], block: int = 1024) -> Steps[None]:
+    """Empty ``mapping`` a block of entries at a time, in time slices: a dict of 20,000
+    entries dropped at once frees them all in one go (milliseconds)."""
+    pop = mapping.popitem
+    while mapping:
+        for _ in range(min(block, len(mapping))):
+            pop()
         if slice_over():
             yield
 

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
+import time
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from astage import Checkpointer, DefaultStager
+from astage._gc import gc_paused
+from astage._match import iter_fast_plan
+from astage._plan import iter_plan
+from astage._slices import Steps, drive
 from tests.helpers import Beats, collections_started, heartbeat_gaps
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.anyio
 
@@ -133,3 +142,36 @@ async def test_a_steady_save_s_background_work_neither_holds_the_loop_nor_feeds_
     assert_loop_kept_its_turn(beats, max_hold_cpu=0.01, max_outlier_cpu=0.05)  # measured: ~2 ms
     assert 2 not in seen, seen  # measured: two young passes in six saves, none older
     assert seen.count(1) <= 1, seen
+
+
+def slices_cpu(steps: Steps[T]) -> tuple[T, list[float]]:
+    """Drive ``steps`` to its end; its result and each slice's CPU seconds on this thread
+    (the collector paused throughout, as in a first stage: its passes are not the work's)."""
+    marks = [time.thread_time()]
+    with gc_paused():
+        result = drive(steps, between=lambda: marks.append(time.thread_time()))
+        marks.append(time.thread_time())
+    return result, [b - a for a, b in itertools.pairwise(marks)]
+
+
+def test_planning_ends_without_freeing_its_indexes_on_the_loop_in_one_go() -> None:
+    # The walk keeps an entry or two per tensor and storage in its indexes and lists; they
+    # were all freed at once when it returned: 6-12 ms for 50,000 tensors (measured),
+    # against ~0.6 ms for the last slice now.
+    sd: dict[str, Any] = {f"layer{i}": {"w": torch.empty(2), "b": torch.empty(1)} for i in range(25_000)}
+    source, slices = slices_cpu(iter_plan(sd))
+    assert len(source.plan.tensors) == 50_000
+    assert slices[-1] < 0.0025, sorted(slices)[-3:]
+
+
+def test_the_fast_plan_of_an_optimizer_s_state_keeps_its_slices_short() -> None:
+    # An optimizer's `params` list of 50,000 ints gave each a scalar slot in one step
+    # (13-28 ms measured), and the storages' ids, views and counts were each one pass over
+    # all tensors (7-10 ms over 50,000 in small dicts); measured now: ~2 ms at most.
+    sd: dict[str, Any] = {f"layer{i}": {"w": torch.empty(2), "b": torch.empty(1)} for i in range(25_000)}
+    sd["optim"] = {"param_groups": [{"params": list(range(50_000)), "lr": 0.1}]}
+    source, _ = slices_cpu(iter_plan(sd))
+    fast, slices = slices_cpu(iter_fast_plan(source))
+    assert fast is not None
+    assert len(fast.atoms.paths) == 50_001  # every int of `params`, and the learning rate
+    assert max(slices) < 0.006, sorted(slices)[-3:]
