@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import binascii
 import collections
+import itertools
 import json
 import math
 import re
@@ -358,23 +359,62 @@ def _is_container(x: Any) -> bool:
     return type(x) is list or type(x) is dict
 
 
-def iter_json_text(x: Any) -> Steps[str]:
+def iter_json_text(x: Any, depth: int = 0) -> Steps[str]:
     """:func:`json_text` of a JSON tree, in time slices: in one call, the tree of an
     optimizer's thousands of small dicts holds the loop ~6 ms.  The same text: lists and
-    dicts with ``str`` keys joined with the same separators, everything else dumped whole."""
-    if type(x) is list and any(map(_is_container, x)):
-        items = []
-        for item in x:
-            items.append((yield from iter_json_text(item)))
-            if slice_over():
-                yield
-        return "[" + ",".join(items) + "]"
-    if type(x) is dict and all(type(key) is str for key in x):
+    dicts with ``str`` keys joined with the same separators, everything else dumped whole.
+
+    Only containers at the top :data:`_SPLIT_DEPTH` levels, or of :data:`_SPLIT_WIDTH` items
+    or more, are split, and a list's items that are not split are dumped a run at a time: a
+    header's tree is mostly nodes of three items, and one ``json.dumps`` a node cost five
+    times the single call.
+    """
+    if not _splits(x, depth):
+        return json_text(x)  # a leaf, or a container dumped whole
+    if type(x) is dict:
         members = []
         for key, value in x.items():
-            members.append(json_text(key) + ":" + (yield from iter_json_text(value)))
+            members.append(json_text(key) + ":" + (yield from iter_json_text(value, depth + 1)))
+            if slice_over():
+                yield
         return "{" + ",".join(members) + "}"
-    return json_text(x)
+    items: list[str] = []
+    run: list[Any] = []  # items dumped whole, together: json.dumps of a list joins them so
+    for item in x:
+        if _splits(item, depth + 1):
+            if run:
+                items.append(json_text(run)[1:-1])
+                run = []
+            items.append((yield from iter_json_text(item, depth + 1)))
+        else:
+            run.append(item)
+            if len(run) < _SPLIT_WIDTH:
+                continue
+            items.append(json_text(run)[1:-1])
+            run = []
+        if slice_over():
+            yield
+    if run:
+        items.append(json_text(run)[1:-1])
+    return "[" + ",".join(items) + "]"
+
+
+def _splits(x: Any, depth: int) -> bool:
+    """Whether :func:`iter_json_text` splits ``x`` rather than dumping it whole."""
+    if type(x) is list:
+        children: Any = x
+    elif type(x) is dict and all(type(key) is str for key in x):
+        children = x.values()
+    else:
+        return False
+    return (depth < _SPLIT_DEPTH or len(x) >= _SPLIT_WIDTH) and any(map(_is_container, children))
+
+
+_SPLIT_DEPTH: Final = 6
+"""Levels of a JSON tree :func:`iter_json_text` always splits (a header's tree: a node, its
+values list, their nodes...: three state_dict levels)."""
+_SPLIT_WIDTH: Final = 32
+"""Items from which :func:`iter_json_text` splits a container at any depth."""
 
 
 class _MarkingEncoder(_TreeEncoder):
@@ -403,7 +443,11 @@ def iter_cut(
     nonce: no key or string of the tree holds it by chance) and splitting at the markers.
     """
     nonce = secrets.token_hex(8)
-    markers = {id(node): f"\0{nonce}:{k}\0" for k, node in enumerate(atoms)}
+    markers: dict[int, str] = {}
+    for k, node in enumerate(atoms):  # an optimizer's params list: thousands of atoms
+        markers[id(node)] = f"\0{nonce}:{k}\0"
+        if not k & 255 and slice_over():
+            yield
     if len(markers) != len(atoms):
         return None
     tree = yield from _MarkingEncoder(plan, markers).node(plan.root, (), 0)
@@ -413,9 +457,12 @@ def iter_cut(
     parts = re.split(rf'"\\u0000{nonce}:(\d+)\\u0000"', marked)
     del marked
     yield
-    pieces, order = parts[0::2], [int(k) for k in parts[1::2]]
+    pieces, order = parts[0::2], list(map(int, parts[1::2]))
+    del parts
+    yield
     if sorted(order) != list(range(len(atoms))):
         return None
+    yield
     texts = []
     for k in order:
         try:
@@ -424,10 +471,20 @@ def iter_cut(
             return None
         if slice_over():
             yield
-    joined = [pieces[0]]
-    for atom, piece in zip(texts, pieces[1:], strict=True):
-        joined += (atom, piece)
-    if "".join(joined) != text:
+    # Compared a block of pieces at a time: one join and compare of an optimizer's
+    # thousands of pieces held the loop milliseconds.
+    at = len(pieces[0])
+    if text[:at] != pieces[0]:
+        return None
+    for start in range(0, len(texts), 512):
+        pairs = zip(texts[start : start + 512], pieces[start + 1 : start + 513], strict=True)
+        joined = "".join(itertools.chain.from_iterable(pairs))
+        if text[at : at + len(joined)] != joined:
+            return None
+        at += len(joined)
+        if slice_over():
+            yield
+    if at != len(text):
         return None
     return pieces, order, texts
 

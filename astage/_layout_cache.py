@@ -135,16 +135,27 @@ def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
     parts: list[str] = [pieces[0]]
     at = [0] * len(order)
     tokens: list[_Tokens] = [_Tokens(0, False)] * len(order)
+    escaped: set[int] = set()
+    cost = 0
     for slot, text, piece in zip(order, texts, pieces[1:], strict=True):
         at[slot] = len(parts)
         parts += (text, piece)
-        tokens[slot] = _text_tokens(text.encode("ascii"))
+        tokens[slot] = slot_tokens = _text_tokens(text.encode("ascii"))
+        cost += slot_tokens.cost
+        if slot_tokens.escapes:
+            escaped.add(slot)
         if slice_over():
             yield
-    joined = _text_tokens("".join(pieces).encode("ascii"))
-    escaped = frozenset(slot for slot, t in enumerate(tokens) if t.escapes)
-    cost = joined.cost + sum(t.cost for t in tokens)
-    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, joined.escapes, escaped)
+    # The pieces' tokens a block at a time: a token count is a sum of byte counts, and no
+    # escape straddles two pieces (they are cut at values, outside strings).
+    pieces_escape = False
+    for start in range(0, len(pieces), 512):
+        block = _text_tokens("".join(pieces[start : start + 512]).encode("ascii"))
+        cost += block.cost
+        pieces_escape = pieces_escape or block.escapes
+        if slice_over():
+            yield
+    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, pieces_escape, frozenset(escaped))
 
 
 @dataclasses.dataclass(eq=False)
@@ -304,7 +315,7 @@ def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept
             yield
     atoms = yield from _iter_cut(fast, layout)
     layout = dataclasses.replace(layout, storages=())
-    return _Kept(fast, layout, tuple(firsts[j] for j in range(len(firsts))), copy, atoms)
+    return _Kept(fast, layout, tuple(map(firsts.__getitem__, range(len(firsts)))), copy, atoms)
 
 
 def _restamp(
