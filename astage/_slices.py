@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 
 from ._gc import gc_paused
 
@@ -129,16 +130,20 @@ def _resolve(turn: asyncio.Future[None]) -> None:
 
 
 def iter_distinct(items: Sequence[object]) -> Steps[bool]:
-    """Whether no object appears twice in ``items`` (by identity), in time slices: a set
-    of 20,000 ids made in one go holds the loop for milliseconds."""
-    seen: set[int] = set()
-    for start in range(0, len(items), 512):
-        seen.update(map(id, items[start : start + 512]))
-        if len(seen) != min(start + 512, len(items)):
-            return False
+    """Whether no object appears twice in ``items`` (by identity), in time slices.
+
+    The ids are gathered a block at a time and sorted once: a set of 20,000 ids made in one
+    go held the loop for milliseconds, and one grown a block at a time still did whenever
+    it grew its table (~1 ms at 10,000 entries).
+    """
+    ids = np.empty(len(items), dtype=np.int64)
+    for start in range(0, len(items), 2048):
+        block = items[start : start + 2048]
+        ids[start : start + len(block)] = np.fromiter(map(id, block), dtype=np.int64, count=len(block))
         if slice_over():
             yield
-    return True
+    ids.sort()
+    return not bool((ids[1:] == ids[:-1]).any())
 
 
 def iter_drop(items: list[Any], block: int = 1024) -> Steps[None]:
