@@ -38,7 +38,6 @@ from ._plan import StagePlan
 from ._slices import Steps, slice_over
 from ._threads import Call
 
-_STORAGE: Final = operator.attrgetter("storage")
 _DTYPE: Final = operator.attrgetter("dtype")
 _IS_CPU: Final = operator.attrgetter("is_cpu")
 _NBYTES: Final = operator.attrgetter("nbytes")
@@ -258,6 +257,7 @@ def iter_batches(
     *,
     on_host: bool,
     skip: Collection[int] = (),
+    storage_of: Sequence[int] = (),
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Steps[CopyWork]:
     """The batches that copy every planned storage on the host (or on a device), and their
@@ -265,7 +265,8 @@ def iter_batches(
 
     ``dst[i]``/``src[i]`` are the staged and source tensor of ``plan.tensors[i]``;
     ``*_storage(s)`` give the storages of ``plan.storages[s]`` (asked only for storages
-    copied through byte views).  Storages in ``skip`` are not copied.
+    copied through byte views).  Storages in ``skip`` are not copied (``storage_of``, each
+    tensor's storage index, :attr:`astage._match.FastPlan.storage_of`, is needed with it).
     """
     out: list[Batch] = []
     costs: list[int] = []
@@ -277,7 +278,7 @@ def iter_batches(
     if skip:
         # Whether each tensor's storage is copied, a column at a time (maps of C functions).
         copied = list(map(operator.not_, map(skip.__contains__, range(len(storages)))))
-        copied_of = list(map(copied.__getitem__, map(_STORAGE, tensors)))
+        copied_of = list(map(copied.__getitem__, storage_of))
     for b, (idx, nbytes) in enumerate(zip(batch_idx, batch_bytes, strict=True)):
         if skip:
             kept = tuple(itertools.compress(idx, map(copied_of.__getitem__, idx)))

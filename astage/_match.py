@@ -108,10 +108,8 @@ class AtomSlots:
     paths: tuple[tuple[Any, ...], ...]
     """Each slot's path from the root: keys, list indices and :class:`Attr` entries to its
     container, then its key or index there."""
-    values: tuple[Any, ...]
-    """The value the plan holds at each slot."""
     nodes: tuple[AtomNode, ...] = ()
-    """The plan's :class:`AtomNode` at each slot."""
+    """The plan's :class:`AtomNode` at each slot (its ``value`` is the plan's)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -138,8 +136,10 @@ class FastPlan:
     ones that can be one tensor object at two positions and pass the storage check."""
     meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
     """The same for ``meta_only`` checks (a staged copy's tensors: offsets, no attributes)."""
-    atoms: AtomSlots = AtomSlots({}, (), ())
+    atoms: AtomSlots = AtomSlots({}, ())
     """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
+    storage_of: Sequence[int] = ()
+    """Each planned tensor's storage index, in plan order (a column made once per plan)."""
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
@@ -151,7 +151,6 @@ class _SlotsMade:
     def __init__(self) -> None:
         self.by_values: dict[int, tuple[int, ...]] = {}
         self.paths: list[tuple[Any, ...]] = []
-        self.values: list[Any] = []
         self.nodes: list[AtomNode] = []
 
     def iter_add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> Steps[None]:
@@ -162,7 +161,6 @@ class _SlotsMade:
             if type(n) is AtomNode and type(n.value) in _PATCHABLE:
                 slots[i] = len(self.paths)
                 self.paths.append((*path, keys[i]))
-                self.values.append(n.value)
                 self.nodes.append(n)
             if not i & 255 and slice_over():
                 yield
@@ -170,7 +168,7 @@ class _SlotsMade:
             self.by_values[id(nodes)] = tuple(slots)
 
     def made(self) -> AtomSlots:
-        return AtomSlots(self.by_values, tuple(self.paths), tuple(self.values), tuple(self.nodes))
+        return AtomSlots(self.by_values, tuple(self.paths), tuple(self.nodes))
 
 
 def _eligible(
@@ -296,7 +294,9 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     shared: tuple[int, ...] = ()
     if len(views) != len(of):
         shared = tuple(itertools.compress(range(len(of)), map((1).__lt__, map(views.__getitem__, of))))
-    fast = FastPlan(plan, tuple(signatures), key_types, nbytes, runs, shared=shared, atoms=slots.made())
+    fast = FastPlan(
+        plan, tuple(signatures), key_types, nbytes, runs, shared=shared, atoms=slots.made(), storage_of=of
+    )
     # The sources are what the plan was made of, so each chunk passes the full check as it
     # stands: its guard is armed now, and the next stage, not the one after, is guarded
     # (the first re-check of small-20k took ~60 ms, the later ones ~30: a full check and

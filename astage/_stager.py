@@ -451,7 +451,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         # The scalars first: a tree its holder broke after release() (which it must not)
         # is dropped before anything is copied into it, and a new copy is staged.
         patched = {slot for slot, _ in patches}
-        back = [(slot, atoms.values[slot]) for slot in spare.off_plan if slot not in patched]
+        back = [(slot, atoms.nodes[slot].value) for slot in spare.off_plan if slot not in patched]
         try:
             set_atoms(spare.tree, atoms, back + patches)
         except (LookupError, TypeError, AttributeError) as exc:
@@ -462,7 +462,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         seen = self._see(sources)
         skip = self._unchanged(spare, seen)
         try:
-            await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip)
+            await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip, spare.fast.storage_of)
         except BaseException as exc:
             # The copy is half refilled: drop it (its buffers go back to the pool).
             traceback.clear_frames(exc.__traceback__)
@@ -471,7 +471,15 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         self._remember(plan, spare.serial, sources, seen, spare.tensors)
         stats = self._record(
-            plan, 0, len(plan.storages), 0.0, started, skip, copy=spare.serial, refilled=True
+            plan,
+            0,
+            len(plan.storages),
+            0.0,
+            started,
+            skip,
+            spare.fast.storage_of,
+            copy=spare.serial,
+            refilled=True,
         )
         return spare.tree, stats
 
@@ -483,6 +491,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         src: Sequence[torch.Tensor],
         dst_storage: Callable[[int], torch.UntypedStorage],
         skip: Collection[int] = (),
+        storage_of: Sequence[int] = (),
     ) -> None:
         first: dict[int, int] = {}
 
@@ -494,10 +503,30 @@ class DefaultStager(anyio.abc.AsyncResource):
             return src[first[s]].untyped_storage()
 
         if layout.device or layout.device_other:
-            batches = iter_batches(plan, layout, dst, src, dst_storage, src_storage, on_host=False, skip=skip)
+            batches = iter_batches(
+                plan,
+                layout,
+                dst,
+                src,
+                dst_storage,
+                src_storage,
+                on_host=False,
+                skip=skip,
+                storage_of=storage_of,
+            )
             await self._copy_from_device(await self._run(batches))
         if layout.host or layout.host_other:
-            batches = iter_batches(plan, layout, dst, src, dst_storage, src_storage, on_host=True, skip=skip)
+            batches = iter_batches(
+                plan,
+                layout,
+                dst,
+                src,
+                dst_storage,
+                src_storage,
+                on_host=True,
+                skip=skip,
+                storage_of=storage_of,
+            )
             await self._copy_from_host(await self._run(batches))
 
     # -- re-use ---------------------------------------------------------------------------
@@ -555,7 +584,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         if seen == before and 0 not in before.versions:
             return set(storages)
         # A column at a time, each a map of a C function: no Python frame a tensor.
-        storage_of = list(map(_STORAGE, spare.fast.plan.tensors))
+        storage_of = spare.fast.storage_of
         if not len(storage_of) == len(seen.versions) == len(before.versions):
             return set()  # (one plan's sources: never)
         moved = map(
@@ -611,12 +640,13 @@ class DefaultStager(anyio.abc.AsyncResource):
         waited: float,
         started: float,
         skipped: Collection[int] = (),
+        storage_of: Sequence[int] = (),
         *,
         copy: int,
         refilled: bool = False,
     ) -> StageStats:
         storages = plan.storages
-        skipped_tensors = sum(map(skipped.__contains__, map(_STORAGE, plan.tensors))) if skipped else 0
+        skipped_tensors = sum(map(skipped.__contains__, storage_of)) if skipped else 0
         fast = self._fast
         stats = StageStats(
             tensors=len(plan.tensors),
@@ -853,7 +883,6 @@ class _Released:
 
 
 _VERSION: Final = operator.attrgetter("_version")
-_STORAGE: Final = operator.attrgetter("storage")
 
 _Patches = tuple[AtomSlots, Sequence[tuple[int, Any]]]
 """A plan's atom slots and the changed scalars to put into a staged tree (``set_atoms``)."""
