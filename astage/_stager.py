@@ -502,32 +502,23 @@ class DefaultStager(anyio.abc.AsyncResource):
                     first.setdefault(spec.storage, i)
             return src[first[s]].untyped_storage()
 
+        def batches(on_host: bool) -> Steps[CopyWork]:
+            return iter_batches(
+                plan,
+                layout,
+                dst,
+                src,
+                dst_storage,
+                src_storage,
+                on_host=on_host,
+                skip=skip,
+                storage_of=storage_of,
+            )
+
         if layout.device or layout.device_other:
-            batches = iter_batches(
-                plan,
-                layout,
-                dst,
-                src,
-                dst_storage,
-                src_storage,
-                on_host=False,
-                skip=skip,
-                storage_of=storage_of,
-            )
-            await self._copy_from_device(await self._run(batches))
+            await self._copy_from_device(await self._run(batches(on_host=False)))
         if layout.host or layout.host_other:
-            batches = iter_batches(
-                plan,
-                layout,
-                dst,
-                src,
-                dst_storage,
-                src_storage,
-                on_host=True,
-                skip=skip,
-                storage_of=storage_of,
-            )
-            await self._copy_from_host(await self._run(batches))
+            await self._copy_from_host(await self._run(batches(on_host=True)))
 
     # -- re-use ---------------------------------------------------------------------------
 
