@@ -504,6 +504,78 @@ async def write_checkpoint_file(
         return await writer.commit()
 
 
+def write_checkpoint_file_blocking(
+    path: str | os.PathLike[str],
+    replica: Encoded | Iterable[BytesLike],
+    *,
+    chunk_nbytes: int = CHUNK_NBYTES,
+    open_dir: DirOpener | None = None,
+    check: Callable[[], None] | None = None,
+) -> Path:
+    """:func:`write_checkpoint_file` on the calling thread, for a worker that must not wait
+    for the event loop between its steps (a save's background half, see
+    :mod:`astage._persisting`): the same temp file, fsync, rename and directory fsync, the
+    same guarantees.
+
+    :param check: called before every chunk and before the fsync; what it raises (a
+        save abandoned) discards the temp file and propagates.  Not called once the rename
+        has begun: from there the new file is finished, as :meth:`CheckpointFileWriter.commit`
+        finishes it under a shield.
+    :raises PersistError: a step failed (named); the previous file is intact (unless only
+        the final directory fsync failed) and no temp file is left.
+    """
+    if chunk_nbytes <= 0:
+        raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
+    path = Path(path)
+    temp = temp_path_for(path)
+    opener = open_dir or functools.partial(open_directory, path.parent)
+    buffers = replica.held_buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
+    started = time.perf_counter()
+    step: _Step = "open"
+    dir_fd: int | None = None
+    fd: int | None = None
+    try:
+        dir_fd, fd = _create_temp(opener, temp.name)
+        step = "write"
+        written = 0
+        for batch in _batches(buffers, chunk_nbytes):
+            if check is not None:
+                check()
+            written += _write_all(fd, batch, written)
+            del batch  # views of the caller's buffers
+        if check is not None:
+            check()
+        step = "fsync"
+        os.fsync(fd)
+        step = "close"
+        closing = fd
+        fd = None
+        os.close(closing)
+        step = "replace"
+        os.replace(temp.name, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        step = "dir-fsync"
+        os.fsync(dir_fd)
+    except BaseException as exc:
+        if dir_fd is not None:  # the temp exists unless the rename is done
+            _discard_file(fd, temp, dir_fd, created=step != "dir-fsync")
+        if isinstance(exc, OSError) and not isinstance(exc, PersistError):
+            raise PersistError(f"{step} failed for {path}: {exc}") from exc
+        raise
+    finally:
+        buffers = ()
+    assert dir_fd is not None
+    os.close(dir_fd)
+    seconds = time.perf_counter() - started
+    log.debug(
+        "wrote %s: %d bytes in %.4fs (%.2f GB/s)",
+        path,
+        written,
+        seconds,
+        written / seconds / 1e9 if seconds > 0 else 0.0,
+    )
+    return path
+
+
 def _entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
     """The entries of ``directory``, none if it does not exist (blocking).
 
