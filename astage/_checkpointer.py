@@ -688,6 +688,10 @@ class Checkpointer(AsyncResource):
         except BaseException:
             persister.abandon(job)
             with anyio.CancelScope(shield=True):
+                if not job.finished.is_set():
+                    # An exchange in flight cannot be cancelled: it is broken, as an async
+                    # one is when cancelled, so that the thread (and the peers) stop at once.
+                    await anyio.to_thread.run_sync(persister.interrupt_replication)
                 await job.finished.wait()  # the thread stops at its next step
             raise
         if job.chain_error is not None:

@@ -39,6 +39,7 @@ from ._threads import run_sync
 
 if TYPE_CHECKING:
     from ._checkpointer import Replicator, SaveStats
+    from ._replication import ReplicationStager
 
 # The Checkpointer's logger: splitting the module changes nothing users configure.
 log = logging.getLogger("astage.checkpointer")
@@ -119,6 +120,20 @@ class _Releasing(Protocol):
     async def release(self, staged: Any) -> None: ...
 
 
+def _blocking_replicator(replication: Replicator | None) -> ReplicationStager | None:
+    """``replication`` if a save's worker thread can drive it without the event loop."""
+    from ._replication import ReplicationStager
+
+    # Only astage's own replicate_staged: a subclass that overrides it is called through it.
+    if (
+        isinstance(replication, ReplicationStager)
+        and type(replication).replicate_staged is ReplicationStager.replicate_staged
+        and replication.can_replicate_blocking()
+    ):
+        return replication
+    return None
+
+
 def _takes_encoded(replication: Replicator) -> bool:
     """Whether ``replication.replicate_staged`` accepts ``encoded=`` (see ``Replicator``)."""
     try:
@@ -156,8 +171,10 @@ class Persister:
         self._layouts = LayoutCache(rank)
         # Save order among the worker threads: each waits for the one before it to end.
         self._order = threading.Condition()
-        self.threaded = replication is None
-        """Whether saves run whole in worker threads (:meth:`launch`); else on the loop."""
+        self._blocking_replication = _blocking_replicator(replication)
+        self.threaded = replication is None or self._blocking_replication is not None
+        """Whether saves run whole in worker threads (:meth:`launch`); else on the loop (a
+        replication object that needs the loop: its own ``replicate_staged``, or NCCL)."""
 
     async def lay_out(
         self, staged: Any, step: int, checkpoint_id: str, refilled: int | None = None
@@ -243,6 +260,63 @@ class Persister:
         encoded: Encoded | None = layout.encode()
         del layout
         assert encoded is not None
+        replication = self._blocking_replication
+        if replication is None:
+            try:
+                entry = self._write_blocking(job, encoded, begin, post)
+            finally:
+                encoded = None  # it views the staged buffers, which go back to the stager
+            self._wait_turn(job)  # commit in save order
+        else:
+            # The local write on a helper thread while this one replicates, in save order.
+            failures: dict[str, Exception] = {}
+            written: list[FileEntry] = []
+
+            def write_local(box: list[Encoded]) -> None:
+                try:
+                    written.append(self._write_blocking(job, box.pop(), begin, post))
+                except Exception as exc:
+                    drop_frames(exc)
+                    failures["local"] = exc
+
+            writer = threading.Thread(
+                target=write_local, args=([encoded],), name=f"astage write step {job.step}", daemon=True
+            )
+            writer.start()
+            try:
+                self._wait_turn(job)  # replicate (and commit) in save order
+                self._check(job)
+                replicate_begin = time.perf_counter()
+                try:
+                    replication.replicate_blocking(
+                        step=job.step, checkpoint_id=job.checkpoint_id, encoded=encoded
+                    )
+                except Exception as exc:
+                    drop_frames(exc)
+                    failures["replication"] = exc
+                else:
+                    job.replicate_seconds = time.perf_counter() - replicate_begin
+                    post(functools.partial(self._emit, "replicated", job))
+            finally:
+                encoded = None
+                writer.join()
+            if "local" in failures and "replication" in failures:
+                log.error("replicating step %d failed as well: %s", job.step, failures["replication"])
+            if failures:
+                raise failures.get("local") or failures["replication"]
+            entry = written[0]
+        self._check(job)
+        job.marker = self._commit_blocking(job, entry)
+
+    def interrupt_replication(self) -> None:
+        """Break a worker thread's replication exchange in flight (blocking, ~1 ms)."""
+        if self._blocking_replication is not None:
+            self._blocking_replication.interrupt()
+
+    def _write_blocking(
+        self, job: Job, encoded: Encoded, begin: float, post: Callable[[Callable[[], object]], None]
+    ) -> FileEntry:
+        """Write this rank's file durably (not yet committed), on the calling thread."""
         try:
             entry = FileEntry(self._data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
             job.written = True  # from here on, a file may exist that must not outlive a failure
@@ -253,15 +327,13 @@ class Persister:
                 check=functools.partial(self._check, job),
             )
         finally:
-            encoded = None  # it views the staged buffers, which go back to the stager
+            del encoded  # it views the staged buffers, which go back to the stager
         # The step directory's entry is durable before anything in it is committed.
         os.fsync(self._dir_fd)
         job.nbytes = entry.nbytes
         job.persist_seconds = time.perf_counter() - begin
         post(functools.partial(self._emit, "persisted", job))
-        self._wait_turn(job)
-        self._check(job)
-        job.marker = self._commit_blocking(job, entry)
+        return entry
 
     def _wait_turn(self, job: Job) -> None:
         """Wait until the save before ``job`` has ended (committed or not), or ``job`` is abandoned."""

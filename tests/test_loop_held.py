@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import astage
+from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
 from tests.statedicts import assert_same_tree
 
@@ -115,3 +116,35 @@ async def test_a_save_abandoned_while_its_thread_runs_leaves_nothing(tmp_path: P
             if not ckpt.steps():
                 await (await ckpt.save(1, state(1))).wait()
             assert_same_tree(await ckpt.restore(1), state(1))
+
+
+async def replicating_rank_holding_the_loop(rank: int, world: int, root: str) -> list[int]:
+    """Each rank saves, then holds its loop until its save is committed: the exchange with
+    the peer (whose loop is held as well) and both commits happen with no loop turn."""
+    base = Path(root)
+    async with (
+        astage.ReplicationStager(storage_dir=base / f"replicas{rank}", timeout=HANG_SECONDS) as replication,
+        astage.Checkpointer(base / "ckpt", rank=rank, replication=replication, keep=2) as ckpt,
+    ):
+        for step in (1, 2, 3):
+            handle = await ckpt.save(step, state(10 * step + rank))
+            hold_loop_until(ckpt.step_dir(step) / f"rank{rank:05d}.COMMITTED", handle)
+            await handle.wait()
+        # The peer holds our replica of the last step, durable, written while both loops were held.
+        held = replication.held_replicas()
+        assert list(held) == [3]
+        peer_state = state(30 + replication.recv_from)
+        assert_same_tree(astage.load_checkpoint_file_sync(held[3]), peer_state)
+        return ckpt.steps()
+
+
+def test_replication_progresses_while_both_ranks_hold_their_loops(tmp_path: Path) -> None:
+    results = run_group(2, replicating_rank_holding_the_loop, str(tmp_path), timeout=2 * HANG_SECONDS)
+    assert [r.unwrap() for r in results] == [[2, 3], [2, 3]]
+
+
+def test_replication_progresses_while_both_ranks_hold_their_loops_under_trio(tmp_path: Path) -> None:
+    results = run_group(
+        2, replicating_rank_holding_the_loop, str(tmp_path), timeout=2 * HANG_SECONDS, backend="trio"
+    )
+    assert [r.unwrap() for r in results] == [[2, 3], [2, 3]]
