@@ -1,9 +1,10 @@
 """The Checkpointer: save / latest / restore over a stager, durable files and replication.
 
-``await ckpt.save(step, state_dict)`` returns once the state is staged; a task the
-Checkpointer owns then encodes the staged copy (:mod:`astage._format`) and writes it durably
-(:mod:`astage._persist`) while it hands the copy to the replication object, if there is
-one; once both are done, it commits (:mod:`astage._persisting`).  This module is the façade
+``await ckpt.save(step, state_dict)`` returns once the state is staged; the save's own
+worker thread (or, for a replication object that needs the loop, a task) then encodes the
+staged copy (:mod:`astage._format`) and writes it durably (:mod:`astage._persist`) while it
+hands the copy to the replication object, if there is one; once both are done, it commits
+(:mod:`astage._persisting`); a task the Checkpointer owns keeps the books.  This module is the façade
 and the bookkeeping of saves in flight; the rest has a module of its own:
 
 * :mod:`astage._directory`: the directory's layout (step directories, file names) and the

@@ -1,13 +1,21 @@
 """The background half of a save: from the staged copy to a durable, committed checkpoint.
 
-Once ``Checkpointer.save`` has staged a state_dict, a task runs one :class:`Job` through a
+Once ``Checkpointer.save`` has staged a state_dict, one :class:`Job` is carried through a
 :class:`Persister`: the staged copy is encoded and checksummed once, written durably as this
 rank's file while it is handed to the replication object (in save order), and, once both
 are done, committed by writing the marker (:mod:`astage._markers`).  Replication is called
 for every staged save, even one whose local write failed: ranks that make the same sequence
 of saves make the same sequence of replication calls, so the peers' exchanges stay in step.
 Every staged copy goes back to its stager, and a failed save's file is removed.
-"""
+
+Two paths.  Without replication, or with a :class:`~astage.ReplicationStager` on a gloo
+group, the whole half runs in order in a daemon thread that ``save()`` starts before it
+returns (:meth:`Persister.launch`): no step of it waits for a turn of the event loop, so a
+program that holds the loop with a synchronous training step finds its save durable when
+the step ends.  The loop only hears of it (events posted to it) and keeps the books
+(releasing the staged copy, the index, retention).  A replication object that needs the
+loop (its own ``replicate_staged``, NCCL) keeps the loop path
+(:meth:`Persister.write_and_replicate`), whose steps run in worker threads in turn."""
 
 from __future__ import annotations
 
