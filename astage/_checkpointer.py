@@ -1,9 +1,10 @@
 """The Checkpointer: save / latest / restore over a stager, durable files and replication.
 
-``await ckpt.save(step, state_dict)`` returns once the state is staged; a task the
-Checkpointer owns then encodes the staged copy (:mod:`astage._format`) and writes it durably
-(:mod:`astage._persist`) while it hands the copy to the replication object, if there is
-one; once both are done, it commits (:mod:`astage._persisting`).  This module is the façade
+``await ckpt.save(step, state_dict)`` returns once the state is staged; the save's own
+worker thread (or, for a replication object that needs the loop, a task) then encodes the
+staged copy (:mod:`astage._format`) and writes it durably (:mod:`astage._persist`) while it
+hands the copy to the replication object, if there is one; once both are done, it commits
+(:mod:`astage._persisting`); a task the Checkpointer owns keeps the books.  This module is the façade
 and the bookkeeping of saves in flight; the rest has a module of its own:
 
 * :mod:`astage._directory`: the directory's layout (step directories, file names) and the
@@ -116,8 +117,11 @@ class SaveStats:
         save to finish (``max_in_flight``).
     :ivar persist_seconds: encoding plus the durable write of the local file.
     :ivar replicate_seconds: the replication call, ``None`` without replication.
-    :ivar total_seconds: from the ``save()`` call to the commit.
+    :ivar total_seconds: from the ``save()`` call to the commit (the marker durable).
     :ivar stage: the stager's own stats, where it records them (``last_stats``).
+    :ivar durable_at: when the marker became durable, on the ``time.perf_counter()``
+        clock: recorded by the thread that wrote it, at that moment, however busy the
+        event loop was then (``save() -> durable`` is this minus the time of the call).
     """
 
     step: int
@@ -128,6 +132,7 @@ class SaveStats:
     replicate_seconds: float | None
     total_seconds: float
     stage: StageStats | None = None
+    durable_at: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -179,6 +184,12 @@ class SaveHandle:
     def stats(self) -> SaveStats | None:
         """The stats once committed, else ``None``."""
         return self._job.stats
+
+    @property
+    def durable_at(self) -> float | None:
+        """When the save became durable (``time.perf_counter()``), as soon as it has, even
+        before the event loop has had a turn to hear of it; ``None`` until then."""
+        return self._job.durable_at
 
     async def wait(self) -> SaveStats:
         """Wait until this save is committed.
@@ -322,6 +333,8 @@ class Checkpointer(AsyncResource):
         self._jobs: dict[int, Job] = {}
         self._unreported: list[Job] = []
         self._last_done: anyio.Event | None = None
+        self._last_job: Job | None = None
+        self._retiring: anyio.Lock | None = None
         self._idle: anyio.Event | None = None
         self._lock_fd: int | None = None
         self._dir_fd: int | None = None  # the checkpoint directory: step directories are opened from it
@@ -425,12 +438,13 @@ class Checkpointer(AsyncResource):
                     log.error("checkpoint step %d failed and was never reported: %s", job.step, job.error)
 
     async def _release_lock(self) -> None:
-        """Close the lock, and the directory unless an abandoned save's cleanup still runs
-        (relative to it): ``__aexit__`` closes it once the task group is done."""
+        """Close the lock, and the directory unless an abandoned save's cleanup (or its
+        retention) still runs relative to it: ``__aexit__`` closes it once the task group is
+        done."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             await blocking_io(os.close, fd, limiter=self._limiter)
-        if not self._jobs:
+        if not self._jobs and not self._reserved:
             await self._close_dir()
 
     async def _close_dir(self) -> None:
@@ -560,18 +574,33 @@ class Checkpointer(AsyncResource):
         )
 
     async def _start(self, task_group: anyio.abc.TaskGroup, job: Job) -> None:
-        """Hand a staged job to its background task, after the saves before it."""
-        assert self._persister is not None
+        """Hand a staged job to its background task, after the saves before it.
+
+        Where the save runs in a worker thread, the thread starts here, before ``save()``
+        returns (see :meth:`Persister.launch`); the task only waits for it and keeps the books.
+        """
+        persister = self._persister
+        assert persister is not None
         previous_done, self._last_done = self._last_done, job.done
+        job.before, self._last_job = self._last_job, job
         self._jobs[job.step] = job
         try:
             task_group.start_soon(self._persist, job, name=f"astage checkpoint step {job.step}")
         except BaseException:
             del self._jobs[job.step]
             self._last_done = previous_done
+            self._last_job, job.before = job.before, None
             with anyio.CancelScope(shield=True):
-                await self._persister.release_staged(job)
+                await persister.release_staged(job)
             raise
+        if persister.threaded:
+            try:
+                persister.launch(job)
+            except BaseException as exc:  # no thread to be had: the task reports the failure
+                job.chain_error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+                job.finished.set()
+                if not isinstance(exc, Exception):
+                    raise
 
     async def wait(self) -> None:
         """Wait until no save is in flight.
@@ -614,37 +643,73 @@ class Checkpointer(AsyncResource):
     # -- the persisting task -------------------------------------------------------------
 
     async def _persist(self, job: Job) -> None:
-        assert self._persister is not None
+        persister = self._persister
+        assert persister is not None
         try:
-            await self._write_and_commit(job, self._persister)
-        except Exception as exc:  # reported to the caller, never into the task group
-            if job.committed:  # a commit stands once its marker is durable
-                log.warning("step %d is committed, but what followed the commit failed: %s", job.step, exc)
-            else:
-                self._fail(job, exc)
-        except BaseException as exc:
-            drop_frames(exc)
-            if not job.committed:
-                job.error = PersistError(
-                    f"checkpoint step {job.step} was abandoned (cancelled); not committed"
-                )
-                job.reported = True
-            raise
+            try:
+                if job.threaded:
+                    await self._finish_threaded(job, persister)
+                else:
+                    await self._write_and_commit(job, persister)
+            except Exception as exc:  # reported to the caller, never into the task group
+                if job.committed:  # a commit stands once its marker is durable
+                    log.warning(
+                        "step %d is committed, but what followed the commit failed: %s", job.step, exc
+                    )
+                else:
+                    self._fail(job, exc)
+            except BaseException as exc:
+                drop_frames(exc)
+                if not job.committed:
+                    job.error = PersistError(
+                        f"checkpoint step {job.step} was abandoned (cancelled); not committed"
+                    )
+                    job.reported = True
+                raise
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await persister.release_staged(job)
+                    if job.written and not job.committed:
+                        await persister.discard(job)
+                job.before = None
+                assert self._slots is not None
+                self._slots.release()
+                del self._jobs[job.step]
+            # After the slot is free: the next save() need not wait for old steps' deletion.
+            if job.committed:
+                await self._retire(job.step)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._persister.release_staged(job)
-                if job.written and not job.committed:
-                    await self._persister.discard(job)
             job.done.set()
-            assert self._slots is not None
-            self._slots.release()
-            del self._jobs[job.step]
             self._unreserve(job.step)
+
+    async def _finish_threaded(self, job: Job, persister: Persister) -> None:
+        """Wait for ``job``'s worker thread (abandoning it if cancelled), then keep the books."""
+        try:
+            await job.finished.wait()
+        except BaseException:
+            persister.abandon(job)
+            with anyio.CancelScope(shield=True):
+                if not job.finished.is_set():
+                    # An exchange in flight cannot be cancelled: it is broken, as an async
+                    # one is when cancelled, so that the thread (and the peers) stop at once.
+                    await anyio.to_thread.run_sync(persister.interrupt_replication)
+                await job.finished.wait()  # the thread stops at its next step
+            raise
+        if job.chain_error is not None:
+            error, job.chain_error = job.chain_error, None
+            raise error
+        assert job.marker is not None
+        self._record_commit(job, job.marker)
 
     async def _write_and_commit(self, job: Job, persister: Persister) -> None:
         entry = await persister.write_and_replicate(job)
         await persister.release_staged(job)
-        self._committed[job.step] = await persister.commit(job, entry)
+        self._record_commit(job, await persister.commit(job, entry))
+
+    def _record_commit(self, job: Job, marker: Marker) -> None:
+        """Keep the books of a save whose marker is durable: index, stats, log, event."""
+        assert job.durable_at is not None
+        self._committed[job.step] = marker
         job.stats = SaveStats(
             step=job.step,
             nbytes=job.nbytes,
@@ -652,8 +717,9 @@ class Checkpointer(AsyncResource):
             backpressure_seconds=job.backpressure_seconds,
             persist_seconds=job.persist_seconds,
             replicate_seconds=job.replicate_seconds,
-            total_seconds=time.perf_counter() - job.started,
+            total_seconds=job.durable_at - job.started,
             stage=job.stage_stats,
+            durable_at=job.durable_at,
         )
         self.last_stats = job.stats
         log.info(
@@ -665,8 +731,14 @@ class Checkpointer(AsyncResource):
             job.stats.gbps,
         )
         self._emit("committed", job)
+
+    async def _retire(self, just_committed: int) -> None:
+        """Retention after a commit, one at a time (two saves' may be due together)."""
+        if self._retiring is None:
+            self._retiring = anyio.Lock()
         assert self._dir_fd is not None
-        await self._retention.retire(self._committed, job.step, self._dir_fd, self._limiter)
+        async with self._retiring:
+            await self._retention.retire(self._committed, just_committed, self._dir_fd, self._limiter)
 
     def _fail(self, job: Job, exc: Exception) -> None:
         drop_frames(exc)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -55,7 +55,7 @@ from ._match import FastPlan, iter_fast_plan, iter_match
 from ._parse_bound import _text_tokens, _Tokens
 from ._plan import iter_plan
 from ._rebuild import plain_tensor_mode
-from ._slices import Steps, run_steps, slice_over, within
+from ._slices import Steps, drive, run_steps, slice_over, within
 
 log = logging.getLogger("astage.layout_cache")
 
@@ -292,6 +292,42 @@ class LayoutCache:
             return
         if kept is not None:
             self._kept = kept
+
+    def finish_blocking(
+        self,
+        staged: Any,
+        layout: FileLayout | PendingLayout,
+        *,
+        copy: int | None,
+        between: Callable[[], object] | None = None,
+    ) -> FileLayout:
+        """:meth:`finish` on the calling thread, a worker's: the same steps driven straight
+        through (``between`` runs between two slices), so that a save's background half
+        needs no turn of the event loop (see :mod:`astage._persisting`)."""
+        if isinstance(layout, PendingLayout):
+            try:
+                storages = drive(_storages(layout.sources, layout.firsts, layout.layout.nbytes), between)
+            finally:
+                layout.sources = []
+            if storages is not None:
+                return dataclasses.replace(layout.layout, storages=storages)
+            log.warning("a staged copy changed after its release; laying it out in full")
+            made = layout.layout
+            steps = iter_lay_out(
+                staged, owner_rank=self._rank, step=made.step, checkpoint_id=made.checkpoint_id
+            )
+            with gc_paused():
+                layout = drive(within(plain_tensor_mode, steps), between)
+        try:
+            if _fits_every_save(layout):
+                with gc_paused():
+                    promote(layout.num_tensors)
+                    kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy)), between)
+                if kept is not None:
+                    self._kept = kept
+        except Exception as exc:  # only a lost speed-up: the next save is laid out in full
+            log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
+        return layout
 
 
 def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept | None]:

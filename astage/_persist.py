@@ -504,6 +504,145 @@ async def write_checkpoint_file(
         return await writer.commit()
 
 
+class BlockingWriter:
+    """:class:`CheckpointFileWriter` on the calling thread (a worker's, which must not wait
+    for the event loop): a temp file next to ``path``, written, then fsynced and renamed
+    over ``path`` by :meth:`commit`; :meth:`discard` removes it unless committed."""
+
+    def __init__(self, path: Path, *, open_dir: DirOpener | None = None) -> None:
+        self.path = path
+        self.temp_path = temp_path_for(path)
+        self.nbytes_written = 0
+        self._open_dir = open_dir or functools.partial(open_directory, path.parent)
+        self._fd: int | None = None
+        self._dir_fd: int | None = None
+
+    def _failed(self, step: _Step, exc: OSError) -> PersistError:
+        self.discard()
+        return PersistError(f"{step} failed for {self.path}: {exc}")
+
+    def open(self) -> None:
+        """Create the temp file. :raises PersistError: it cannot be created."""
+        try:
+            self._dir_fd, self._fd = _create_temp(self._open_dir, self.temp_path.name)
+        except OSError as exc:
+            raise self._failed("open", exc) from exc
+
+    def write(self, data: memoryview) -> None:
+        """Append ``data``. :raises PersistError: the write failed; the temp is removed."""
+        if self._fd is None:
+            raise ClosedError(f"the writer of {self.path} is not open")
+        try:
+            for batch in _batches(data, CHUNK_NBYTES):
+                self.nbytes_written += _write_all(self._fd, batch, self.nbytes_written)
+        except OSError as exc:
+            raise self._failed("write", exc) from exc
+
+    def commit(self) -> None:
+        """Fsync, rename over the final path, fsync the directory.
+
+        :raises PersistError: a step failed (named); before the rename the temp is removed.
+        """
+        fd, dir_fd = self._fd, self._dir_fd
+        if fd is None or dir_fd is None:
+            raise ClosedError(f"the writer of {self.path} is not open")
+        step: _Step = "fsync"
+        try:
+            os.fsync(fd)
+            step = "close"
+            self._fd = None
+            os.close(fd)
+            step = "replace"
+            os.replace(self.temp_path.name, self.path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            step = "dir-fsync"
+            self._dir_fd = None
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            raise self._failed(step, exc) from exc
+
+    def discard(self) -> None:
+        """Remove the temp file unless committed; idempotent."""
+        fd, self._fd = self._fd, None
+        dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is not None:
+            _discard_file(fd, self.temp_path, dir_fd, created=True)
+
+
+def write_checkpoint_file_blocking(
+    path: str | os.PathLike[str],
+    replica: Encoded | Iterable[BytesLike],
+    *,
+    chunk_nbytes: int = CHUNK_NBYTES,
+    open_dir: DirOpener | None = None,
+    check: Callable[[], None] | None = None,
+) -> Path:
+    """:func:`write_checkpoint_file` on the calling thread, for a worker that must not wait
+    for the event loop between its steps (a save's background half, see
+    :mod:`astage._persisting`): the same temp file, fsync, rename and directory fsync, the
+    same guarantees.
+
+    :param check: called before every chunk and before the fsync; what it raises (a
+        save abandoned) discards the temp file and propagates.  Not called once the rename
+        has begun: from there the new file is finished, as :meth:`CheckpointFileWriter.commit`
+        finishes it under a shield.
+    :raises PersistError: a step failed (named); the previous file is intact (unless only
+        the final directory fsync failed) and no temp file is left.
+    """
+    if chunk_nbytes <= 0:
+        raise ConfigurationError(f"chunk_nbytes must be positive, got {chunk_nbytes}")
+    path = Path(path)
+    temp = temp_path_for(path)
+    opener = open_dir or functools.partial(open_directory, path.parent)
+    buffers = replica.held_buffers(chunk_nbytes) if isinstance(replica, Encoded) else replica
+    started = time.perf_counter()
+    step: _Step = "open"
+    dir_fd: int | None = None
+    fd: int | None = None
+    try:
+        dir_fd, fd = _create_temp(opener, temp.name)
+        step = "write"
+        written = 0
+        for batch in _batches(buffers, chunk_nbytes):
+            if check is not None:
+                check()
+            written += _write_all(fd, batch, written)
+            del batch  # views of the caller's buffers
+        if check is not None:
+            check()
+        step = "fsync"
+        os.fsync(fd)
+        step = "close"
+        closing = fd
+        fd = None
+        os.close(closing)
+        step = "replace"
+        os.replace(temp.name, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        step = "dir-fsync"
+        os.fsync(dir_fd)
+    except BaseException as exc:
+        if dir_fd is not None:  # the temp exists unless the rename is done
+            _discard_file(fd, temp, dir_fd, created=step != "dir-fsync")
+        if isinstance(exc, OSError) and not isinstance(exc, PersistError):
+            raise PersistError(f"{step} failed for {path}: {exc}") from exc
+        raise
+    finally:
+        buffers = ()
+    assert dir_fd is not None
+    os.close(dir_fd)
+    seconds = time.perf_counter() - started
+    log.debug(
+        "wrote %s: %d bytes in %.4fs (%.2f GB/s)",
+        path,
+        written,
+        seconds,
+        written / seconds / 1e9 if seconds > 0 else 0.0,
+    )
+    return path
+
+
 def _entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
     """The entries of ``directory``, none if it does not exist (blocking).
 

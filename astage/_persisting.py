@@ -1,26 +1,38 @@
 """The background half of a save: from the staged copy to a durable, committed checkpoint.
 
-Once ``Checkpointer.save`` has staged a state_dict, a task runs one :class:`Job` through a
+Once ``Checkpointer.save`` has staged a state_dict, one :class:`Job` is carried through a
 :class:`Persister`: the staged copy is encoded and checksummed once, written durably as this
 rank's file while it is handed to the replication object (in save order), and, once both
 are done, committed by writing the marker (:mod:`astage._markers`).  Replication is called
 for every staged save, even one whose local write failed: ranks that make the same sequence
 of saves make the same sequence of replication calls, so the peers' exchanges stay in step.
 Every staged copy goes back to its stager, and a failed save's file is removed.
-"""
+
+Two paths.  Without replication, or with a :class:`~astage.ReplicationStager` on a gloo
+group, the whole half runs in order in a daemon thread that ``save()`` starts before it
+returns (:meth:`Persister.launch`): no step of it waits for a turn of the event loop, so a
+program that holds the loop with a synchronous training step finds its save durable when
+the step ends.  The loop only hears of it (events posted to it) and keeps the books
+(releasing the staged copy, the index, retention).  A replication object that needs the
+loop (its own ``replicate_staged``, NCCL) keeps the loop path
+(:meth:`Persister.write_and_replicate`), whose steps run in worker threads in turn."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import anyio
+import sniffio
 
 from ._directory import rank_file_names, step_dir_name, step_dir_opener
 from ._errors import AstageError
@@ -28,13 +40,14 @@ from ._format import Encoded, FileLayout
 from ._frames import drop_frames, frames_dropped
 from ._layout_cache import LayoutCache, PendingLayout
 from ._markers import FileEntry, Marker, encoded_storages_crc32c
-from ._persist import blocking_io, write_checkpoint_file
+from ._persist import blocking_io, write_checkpoint_file, write_checkpoint_file_blocking
 from ._retention import discard_uncommitted
 from ._stager import AsyncStager, StageStats
 from ._threads import run_sync
 
 if TYPE_CHECKING:
     from ._checkpointer import Replicator, SaveStats
+    from ._replication import ReplicationStager
 
 # The Checkpointer's logger: splitting the module changes nothing users configure.
 log = logging.getLogger("astage.checkpointer")
@@ -68,11 +81,65 @@ class Job:
     stats: SaveStats | None = None
     error: AstageError | None = None
     reported: bool = False
+    before: Job | None = None
+    """The save made just before this one, until this one has waited for it (in order)."""
+    threaded: bool = False
+    """Whether a worker thread carries this save (see :meth:`Persister.launch`)."""
+    finished: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    """Set on the event loop once the worker thread has returned."""
+    chain_done: bool = False
+    """Set by the worker thread as it ends (under the persister's condition)."""
+    abandoned: bool = False
+    """Set on the event loop when the save is cancelled: the worker stops at its next step."""
+    chain_error: Exception | None = None
+    marker: Marker | None = None
+    durable_at: float | None = None
+    """``time.perf_counter()`` when the marker (and so the whole save) became durable."""
+
+
+class Abandoned(Exception):
+    """A save's worker thread stopped because the save was cancelled (never reaches a user)."""
+
+
+def _poster() -> Callable[[Callable[[], object]], None]:
+    """A function that queues a call on this event loop from any thread, without waiting.
+
+    Called on the loop; what it returns may be called from any thread.  Once the loop has
+    ended the call is dropped: nobody is left to hear of it.
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        queue: Callable[..., object] = trio.lowlevel.current_trio_token().run_sync_soon
+    else:
+        queue = asyncio.get_running_loop().call_soon_threadsafe
+
+    def post(fn: Callable[[], object]) -> None:
+        try:
+            queue(fn)
+        except RuntimeError:  # the loop has ended (trio: RunFinishedError)
+            log.debug("the event loop ended before a save's worker thread could report to it")
+
+    return post
 
 
 @runtime_checkable
 class _Releasing(Protocol):
     async def release(self, staged: Any) -> None: ...
+
+
+def _blocking_replicator(replication: Replicator | None) -> ReplicationStager | None:
+    """``replication`` if a save's worker thread can drive it without the event loop."""
+    from ._replication import ReplicationStager
+
+    # Only astage's own replicate_staged: a subclass that overrides it is called through it.
+    if (
+        isinstance(replication, ReplicationStager)
+        and type(replication).replicate_staged is ReplicationStager.replicate_staged
+        and replication.can_replicate_blocking()
+    ):
+        return replication
+    return None
 
 
 def _takes_encoded(replication: Replicator) -> bool:
@@ -110,6 +177,12 @@ class Persister:
         self._limiter = limiter
         self._emit = emit
         self._layouts = LayoutCache(rank)
+        # Save order among the worker threads: each waits for the one before it to end.
+        self._order = threading.Condition()
+        self._blocking_replication = _blocking_replicator(replication)
+        self.threaded = replication is None or self._blocking_replication is not None
+        """Whether saves run whole in worker threads (:meth:`launch`); else on the loop (a
+        replication object that needs the loop: its own ``replicate_staged``, or NCCL)."""
 
     async def lay_out(
         self, staged: Any, step: int, checkpoint_id: str, refilled: int | None = None
@@ -133,6 +206,165 @@ class Persister:
             # back, which the stager may hand out again (a released copy is refilled).
             staged = None
             raise
+
+    # -- the worker-thread path: no turn of the event loop between the steps ---------------
+
+    def launch(self, job: Job) -> None:
+        """Start ``job``'s background half in a thread of its own, now (on the event loop).
+
+        Started before ``save()`` returns, so that it needs no turn of the loop even to
+        begin: a program that runs its training step on the loop right after ``save()``
+        finds the save durable at its next ``await``.  The thread is a daemon: a process
+        never waits for it to exit.  It ends by posting ``job.finished.set`` to the loop.
+        """
+        post = _poster()
+        job.threaded = True
+        thread = threading.Thread(
+            target=self._run_chain, args=(job, post), name=f"astage save step {job.step}", daemon=True
+        )
+        thread.start()
+
+    def abandon(self, job: Job) -> None:
+        """Tell ``job``'s worker thread to stop at its next step (the save was cancelled)."""
+        with self._order:
+            job.abandoned = True
+            self._order.notify_all()
+
+    def _run_chain(self, job: Job, post: Callable[[Callable[[], object]], None]) -> None:
+        try:
+            self._chain(job, post)
+        except Exception as exc:
+            drop_frames(exc)  # its frames view the staged buffers
+            job.chain_error = exc
+        finally:
+            with self._order:
+                job.chain_done = True
+                job.before = None
+                self._order.notify_all()
+            post(job.finished.set)
+
+    def _check(self, job: Job) -> None:
+        if job.abandoned:
+            raise Abandoned(f"checkpoint step {job.step} was abandoned")
+
+    def _between(self, job: Job) -> None:
+        """Between two slices of Python work: stop if abandoned, and let the loop thread
+        have the GIL if it waits for it (else it would wait a whole switch interval)."""
+        self._check(job)
+        time.sleep(0)
+
+    def _chain(self, job: Job, post: Callable[[Callable[[], object]], None]) -> None:
+        """The whole background half, in order, on this worker thread: complete the layout,
+        encode, write the local file durably, wait for the save before (save order), and
+        write the marker.  ``job.committed`` once the marker is durable."""
+        begin = time.perf_counter()
+        layout, job.layout = job.layout, None
+        assert layout is not None
+        copy = job.stage_stats.copy if job.stage_stats is not None else None
+        layout = self._layouts.finish_blocking(
+            job.staged, layout, copy=copy, between=functools.partial(self._between, job)
+        )
+        self._check(job)
+        encoded: Encoded | None = layout.encode()
+        del layout
+        assert encoded is not None
+        replication = self._blocking_replication
+        if replication is None:
+            try:
+                entry = self._write_blocking(job, encoded, begin, post)
+            finally:
+                encoded = None  # it views the staged buffers, which go back to the stager
+            self._wait_turn(job)  # commit in save order
+        else:
+            # The local write on a helper thread while this one replicates, in save order.
+            failures: dict[str, Exception] = {}
+            written: list[FileEntry] = []
+
+            def write_local(box: list[Encoded]) -> None:
+                try:
+                    written.append(self._write_blocking(job, box.pop(), begin, post))
+                except Exception as exc:
+                    drop_frames(exc)
+                    failures["local"] = exc
+
+            writer = threading.Thread(
+                target=write_local, args=([encoded],), name=f"astage write step {job.step}", daemon=True
+            )
+            writer.start()
+            try:
+                self._wait_turn(job)  # replicate (and commit) in save order
+                self._check(job)
+                replicate_begin = time.perf_counter()
+                try:
+                    replication.replicate_blocking(
+                        step=job.step, checkpoint_id=job.checkpoint_id, encoded=encoded
+                    )
+                except Exception as exc:
+                    drop_frames(exc)
+                    failures["replication"] = exc
+                else:
+                    job.replicate_seconds = time.perf_counter() - replicate_begin
+                    post(functools.partial(self._emit, "replicated", job))
+            finally:
+                encoded = None
+                writer.join()
+            if "local" in failures and "replication" in failures:
+                log.error("replicating step %d failed as well: %s", job.step, failures["replication"])
+            if failures:
+                raise failures.get("local") or failures["replication"]
+            entry = written[0]
+        self._check(job)
+        job.marker = self._commit_blocking(job, entry)
+
+    def interrupt_replication(self) -> None:
+        """Break a worker thread's replication exchange in flight (blocking, ~1 ms)."""
+        if self._blocking_replication is not None:
+            self._blocking_replication.interrupt()
+
+    def _write_blocking(
+        self, job: Job, encoded: Encoded, begin: float, post: Callable[[Callable[[], object]], None]
+    ) -> FileEntry:
+        """Write this rank's file durably (not yet committed), on the calling thread."""
+        try:
+            entry = FileEntry(self._data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
+            job.written = True  # from here on, a file may exist that must not outlive a failure
+            write_checkpoint_file_blocking(
+                self._directory / step_dir_name(job.step) / self._data_name,
+                encoded,
+                open_dir=step_dir_opener(self._dir_fd, job.step),
+                check=functools.partial(self._check, job),
+            )
+        finally:
+            del encoded  # it views the staged buffers, which go back to the stager
+        # The step directory's entry is durable before anything in it is committed.
+        os.fsync(self._dir_fd)
+        job.nbytes = entry.nbytes
+        job.persist_seconds = time.perf_counter() - begin
+        post(functools.partial(self._emit, "persisted", job))
+        return entry
+
+    def _wait_turn(self, job: Job) -> None:
+        """Wait until the save before ``job`` has ended (committed or not), or ``job`` is abandoned."""
+        before = job.before
+        with self._order:
+            self._order.wait_for(lambda: job.abandoned or before is None or before.chain_done)
+            job.before = None
+
+    def _commit_blocking(self, job: Job, entry: FileEntry) -> Marker:
+        """Write the marker durably: once renamed, the step is committed."""
+        marker = Marker(job.step, self._rank, job.checkpoint_id, time.time(), (entry,))
+        write_checkpoint_file_blocking(
+            self._directory / step_dir_name(job.step) / self._marker_name,
+            [marker.to_json()],
+            open_dir=step_dir_opener(self._dir_fd, job.step),
+        )
+        # The step directory's entry is durable before anything in it is committed.
+        os.fsync(self._dir_fd)
+        job.durable_at = time.perf_counter()
+        job.committed = True
+        return marker
+
+    # -- the event-loop path (a replication object that needs the loop) --------------------
 
     async def write_and_replicate(self, job: Job) -> FileEntry:
         """Encode once, then write the local file durably while replicating, in save order.
@@ -236,6 +468,7 @@ class Persister:
             )
             # The step directory's entry is durable before anything in it is committed.
             await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
+            job.durable_at = time.perf_counter()
             job.committed = True
         return marker
 

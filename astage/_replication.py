@@ -32,6 +32,7 @@ import functools
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -76,9 +77,10 @@ from ._persist import (
     sweep_stale_temps,
 )
 from ._pool import BufferKind, BufferPool, PoolStats
-from ._sink import _delete, _StreamingSink
+from ._sink import _BlockingSink, _delete, _StreamingSink
 from ._stager import DefaultStager, StageStats
 from ._threads import run_sync
+from ._transport import _blocking
 from ._validate import check_int, check_path, check_seconds
 
 if TYPE_CHECKING:
@@ -271,6 +273,11 @@ class ReplicationStager(anyio.abc.AsyncResource):
         self._broken: str | None = None
         self._phase = ReplicationPhase.ACKNOWLEDGED  # as if after a completed call: nothing pending
         self._closed = False
+        # The Checkpointer's worker-thread path (replicate_blocking): one call at a time, the
+        # link in flight (to break it when the save is abandoned), a body buffer re-used.
+        self._thread_lock = threading.Lock()
+        self._live: _blocking.BlockingLink | None = None
+        self._thread_body: torch.Tensor | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -369,6 +376,127 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 "encoded must come from encode() with the same step and checkpoint_id as this call"
             )
         return await self._replicate(staged, step, checkpoint_id, None, encoded)
+
+    # -- the Checkpointer's worker-thread path ---------------------------------------------
+
+    def can_replicate_blocking(self) -> bool:
+        """Whether :meth:`replicate_blocking` can drive this stager's group (gloo)."""
+        return _blocking.supports(self.process_group)
+
+    def replicate_blocking(
+        self, *, step: int, checkpoint_id: str, encoded: Encoded, started: Callable[[], None] | None = None
+    ) -> None:
+        """:meth:`replicate_staged` on the calling thread, which need not be the event loop's.
+
+        The Checkpointer calls it from a save's worker thread, so that the exchange
+        progresses while the program holds the event loop (and the peer's may be held too):
+        the same protocol, phases, checks and durability as :meth:`replicate_staged`, with
+        blocking gloo waits.  Only one call at a time; not mixed with concurrent async calls.
+        :meth:`interrupt` breaks a call in flight (the save was abandoned).
+
+        :param encoded: this save's encoding (owner this rank, no holder), relabelled here.
+        :param started: called once the call holds the stager, before the exchange.
+        :raises: as :meth:`replicate`.
+        """
+        with self._thread_lock:
+            self._check_usable()
+            if started is not None:
+                started()
+            while self._retired:  # replicas replaced by earlier calls
+                _delete(self._retired.pop(0))
+            self._phase = ReplicationPhase.STAGED
+            begun = time.perf_counter()
+            deadline = time.monotonic() + self.timeout
+            mine = encoded.relabel(owner_rank=self.rank, holder_rank=self.send_to)
+            del encoded
+            path = replica_path(
+                self.storage_dir,
+                owner_rank=self.recv_from,
+                holder_rank=self.rank,
+                step=None if self.keep is None else step,
+            )
+            try:
+                self._exchange_blocking(mine, path, deadline)
+                del mine
+                link = _blocking.BlockingLink(
+                    self.process_group, deadline, send_to=self.recv_from, recv_from=self.send_to
+                )
+                self._live = link
+                try:
+                    _blocking.exchange_ack(link, True)
+                except PeerReportedError:
+                    self._phase = ReplicationPhase.ACKNOWLEDGED
+                    raise
+                self._phase = ReplicationPhase.ACKNOWLEDGED
+            except BaseException as exc:
+                if self._phase.failure_breaks_group and self._broken is None:
+                    self._broken = _describe(exc)
+                raise
+            finally:
+                self._live = None
+        log.debug("replicated step %d (worker thread) in %.3fs", step, time.perf_counter() - begun)
+
+    def _exchange_blocking(self, mine: Encoded, path: Path, deadline: float) -> None:
+        sink = _BlockingSink(path, self.recv_from, self._headers.parse, self._body_buffer)
+        link = _blocking.BlockingLink(
+            self.process_group,
+            deadline,
+            send_to=self.send_to,
+            recv_from=self.recv_from,
+            on_posted=self._posted,
+        )
+        self._live = link
+        try:
+            _blocking.exchange(
+                link,
+                _transport.Payload(mine.prefix, mine.segments, mine.body_nbytes),
+                chunk_bytes=self.chunk_bytes,
+                max_body_bytes=self.max_replica_bytes,
+                allocate=sink.allocate,
+                on_prefix=sink.on_prefix,
+                on_chunk=sink.on_chunk,
+            )
+            self._phase = ReplicationPhase.EXCHANGED
+            sink.finish()
+            if sink.retired is not None:
+                self._retired.append(sink.retired)
+            if self.keep is not None:
+                self._retired += self._beyond_keep()
+        except Exception as exc:
+            if self._phase is ReplicationPhase.EXCHANGED:
+                self._refuse_blocking(exc, deadline)
+            raise
+        finally:
+            sink.close()
+
+    def _refuse_blocking(self, exc: Exception, deadline: float) -> None:
+        """Tell the peer its replica is not kept (blocking); the caller raises."""
+        link = _blocking.BlockingLink(
+            self.process_group, deadline, send_to=self.recv_from, recv_from=self.send_to
+        )
+        self._live = link
+        try:
+            _blocking.exchange_ack(link, False, f"rank {self.rank} could not keep it: {exc}")
+        except PeerReportedError:
+            self._phase = ReplicationPhase.ACKNOWLEDGED  # the peer failed too, and said so
+        except TransportError as ack_failure:
+            self._broken = _describe(ack_failure)
+        else:
+            self._phase = ReplicationPhase.ACKNOWLEDGED
+
+    def _body_buffer(self, nbytes: int) -> torch.Tensor:
+        """The buffer the worker-thread path receives into, kept from call to call."""
+        if self._thread_body is None or self._thread_body.numel() < nbytes:
+            self._thread_body = None
+            self._thread_body = torch.empty(nbytes, dtype=torch.uint8)
+        return self._thread_body
+
+    def interrupt(self) -> None:
+        """Break the worker-thread call in flight, if any (blocking, ~1 ms): its waits, and
+        the peers', fail at once.  For a save abandoned mid-exchange."""
+        link = self._live
+        if link is not None:
+            link.interrupt()
 
     def inbox_stats(self) -> PoolStats:
         """Memory of the pool that receives the peer's replicas (reused across steps)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -18,7 +19,7 @@ import torch
 from ._errors import IntegrityError, PersistError
 from ._format import BodyVerifier, FileHeader, byte_view, parse_prefix
 from ._header_cache import HeaderCache
-from ._persist import CheckpointFileWriter, DirOpener, blocking_io, temp_path_for
+from ._persist import BlockingWriter, CheckpointFileWriter, DirOpener, blocking_io, temp_path_for
 from ._pool import BufferPool, Lease
 
 log = logging.getLogger("astage.replication")
@@ -162,3 +163,84 @@ class _StreamingSink:
         if self.lease is not None:
             self.inbox.hand_out(self.lease)
             self.lease = None
+
+
+class _BlockingSink:
+    """:class:`_StreamingSink`'s work on the calling thread, for an exchange that needs no
+    event loop (:mod:`astage._transport._blocking`): each chunk is written and checked as it
+    lands; nothing is renamed into place before the whole body has been verified.
+
+    :param body: returns a contiguous CPU ``uint8`` tensor of at least ``nbytes`` to
+        receive the body into (the caller re-uses one from call to call).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        owner_rank: int,
+        parse: Callable[[bytes], FileHeader],
+        body: Callable[[int], torch.Tensor],
+    ) -> None:
+        self.writer = BlockingWriter(path)
+        self.parse = parse
+        self.owner_rank = owner_rank
+        self.body = body
+        self.verifier: BodyVerifier | None = None
+        self.error: Exception | None = None
+        self.retired: Path | None = None
+
+    def on_prefix(self, prefix: bytes) -> None:
+        # An IntegrityError here aborts the transfer: the peer is not speaking our format.
+        header = self.parse(prefix)
+        if header.owner_rank != self.owner_rank:
+            raise IntegrityError(
+                f"expected rank {self.owner_rank}'s replica, the header says rank {header.owner_rank}"
+            )
+        self.verifier = BodyVerifier(header)
+        try:
+            self.writer.open()
+            self.writer.write(memoryview(prefix))
+        except PersistError as exc:
+            self.error = exc
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        assert self.verifier is not None
+        expected = self.verifier.header.body_nbytes
+        if nbytes != expected:
+            raise IntegrityError(
+                f"rank {self.owner_rank} announces a {nbytes}-byte body, its header says {expected}"
+            )
+        return self.body(nbytes)
+
+    def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
+        # A disk or checksum error does not abort the transfer (that would break the group):
+        # the rest is drained and the error raised by finish().
+        if self.error is not None:
+            return
+        assert self.verifier is not None
+        data = byte_view(chunk)
+        try:
+            self.writer.write(data)
+            self.verifier.update(data)
+        except (PersistError, IntegrityError) as exc:
+            self.error = exc
+
+    def finish(self) -> FileHeader:
+        """Check the whole replica came in and verified, then make it durable."""
+        if self.error is not None:
+            raise self.error
+        assert self.verifier is not None
+        self.verifier.finish()
+        retired = _retire_previous(self.writer.path)
+        try:
+            self.writer.commit()
+        except BaseException:
+            if retired is not None:
+                _delete(retired)
+            raise
+        self.retired = retired
+        return self.verifier.header
+
+    def close(self) -> None:
+        """Discard the temp file unless committed."""
+        self.writer.discard()

@@ -181,3 +181,25 @@ def test_bench_format_quick_prints_the_cost_a_tensor() -> None:
     assert done.returncode == 0, done.stderr
     for step in ("lay_out", "encode", "relabel", "parse_prefix", "decode"):
         assert step in done.stdout
+
+
+def test_bench_loop_held_quick_prints_both_variants_and_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_loop_held", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for text in ("step on the loop", "step on the thread", "save->durable", "save() ms", "PASS|MISS"):
+        assert any(part in done.stdout for part in text.split("|")), text
+    payload = json.loads(out.read_text())
+    assert [r["ranks"] for r in payload["results"]] == [1, 2]
+    for result in payload["results"]:
+        for variant in ("loop", "thread"):
+            assert result["timings"][variant]["durable_s"]
+            assert all(t > 0 for t in result["timings"][variant]["durable_s"])
+        assert result["durable_ratio"] > 0

@@ -31,6 +31,7 @@ import torch
 
 import astage
 import astage._format
+import astage._persisting
 from astage._format import encode
 from astage._persist import find_replicas, is_temp_name, replica_path, temp_path_for, write_checkpoint_file
 from tests.distributed import run_group
@@ -797,22 +798,32 @@ async def test_a_save_cancelled_as_a_thread_call_returns_hands_its_buffers_back_
     # the call (its result: the encoded replica; its arguments: views to write): descheduled
     # there, it kept the staged buffers while the cancelled save released its copy, and they
     # stayed "handed out" after the Checkpointer closed (1 run in 5).  Here the thread
-    # lingers there for sure: until the stager's release() has returned.
-    if call.endswith("_write_all") and anyio_backend == "trio":
-        # trio's threads drop the call before they deliver its result; and its thread cache
-        # would hand the lingering thread the temp file's removal, which waits for release().
-        pytest.skip("trio's worker threads keep no arguments while delivering")
+    # lingers there for sure: until the stager's release() has returned.  A save runs in a
+    # thread of its own, which tells the loop it has ended (and lingers there) only after
+    # the save was abandoned: the call waits until the loop has marked it so.
     scope = anyio.CancelScope()
     cancelling, lingered, released = threading.Event(), threading.Event(), threading.Event()
+    abandoned = threading.Event()
 
     def linger(frame: types.FrameType, event: str, arg: object) -> None:
-        # The return from the call that handed the result to the loop: trio's delivery
-        # callback, or asyncio's call_soon_threadsafe (anyio's and aiofiles' threads).
-        if event == "return" and frame.f_code.co_name in ("deliver_worker_fn_result", "call_soon_threadsafe"):
-            sys.setprofile(None)
-            lingered.set()
-            released.wait(30)
+        # The return from the call that hands the save's end to the loop: trio's
+        # run_sync_soon, or asyncio's call_soon_threadsafe (not a progress report on the way).
+        if event == "return" and frame.f_code.co_name in ("run_sync_soon", "call_soon_threadsafe"):
+            outer: types.FrameType | None = frame
+            while outer is not None and outer.f_code.co_name != "_chain":
+                outer = outer.f_back
+            if outer is None:
+                sys.setprofile(None)
+                lingered.set()
+                released.wait(30)
 
+    real_abandon = astage._persisting.Persister.abandon
+
+    def abandon(self: Any, job: Any) -> None:
+        real_abandon(self, job)
+        abandoned.set()
+
+    monkeypatch.setattr(astage._persisting.Persister, "abandon", abandon)
     real = functools.reduce(getattr, call.split(".")[1:], astage)
     loop = anyio.lowlevel.current_token()
 
@@ -820,10 +831,8 @@ async def test_a_save_cancelled_as_a_thread_call_returns_hands_its_buffers_back_
         result = real(*args, **kwargs)
         if not cancelling.is_set():  # the save is abandoned as this call returns
             cancelling.set()
-            try:
-                anyio.from_thread.run_sync(scope.cancel)
-            except RuntimeError:  # not one of anyio's worker threads (aiofiles')
-                anyio.from_thread.run_sync(scope.cancel, token=loop)
+            anyio.from_thread.run_sync(scope.cancel, token=loop)
+            assert abandoned.wait(30)
             sys.setprofile(linger)  # in this worker thread only
         return result
 
