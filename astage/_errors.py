@@ -5,11 +5,16 @@ configuration, unsupported input, closed or exhausted resources, peers and trans
 integrity of stored bytes, and persistence.  Leaves say what happened and where: errors
 about a user's state_dict carry the key path of the offending value.  Lower-level errors
 (``OSError``, c10d, CUDA) are translated at the boundary with ``raise ... from exc``.
+A task group's ``ExceptionGroup`` never crosses a public call: :class:`one_error` raises
+the single error it wraps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import TracebackType
+
+import anyio
 
 KeyPath = tuple[object, ...]
 """A path into a state_dict: dict keys, sequence indices and ``.attribute`` names."""
@@ -116,3 +121,63 @@ class PersistError(AstageError, OSError):
 def describe(exc: BaseException) -> str:
     """``"TypeName: message"``: how a failure is named inside another error's message."""
     return f"{type(exc).__name__}: {exc}"
+
+
+class one_error:
+    """Raise the error an ``ExceptionGroup`` wraps instead of the group.
+
+    anyio's task groups wrap whatever their body or tasks raise in an ``ExceptionGroup``
+    (always under trio, and under asyncio for an error); a public call raises the astage
+    exception its docstring names, which ``except UnsupportedInputError`` must catch.  Of
+    several errors the first astage one is raised (else the first other one: an
+    interruption such as ``KeyboardInterrupt`` before any); each other is added to it as a
+    note.  A group of cancellations only goes on as it is: its cancel scope takes it.  The
+    error keeps its own cause and context, not the group (whose frames may view buffers).
+    """
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not isinstance(exc, BaseExceptionGroup):
+            return
+        chosen = _chosen(exc)
+        if chosen is None:
+            return
+        context = chosen.__context__
+        del exc, tb
+        try:
+            raise chosen
+        except BaseException:
+            chosen.__context__ = context  # not the group being handled
+            raise
+        finally:
+            del chosen, context
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves
+
+
+def _chosen(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one error to raise for ``group`` (notes added), or ``None`` if it only cancels."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves = [exc for exc in _leaves(group) if not isinstance(exc, cancelled)]
+    if not leaves:
+        return None
+    chosen = next(
+        (exc for exc in leaves if not isinstance(exc, Exception)),
+        next((exc for exc in leaves if isinstance(exc, AstageError)), leaves[0]),
+    )
+    for other in leaves:
+        if other is not chosen:
+            chosen.add_note(f"also failed meanwhile: {describe(other)}")
+    return chosen

@@ -50,6 +50,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import io
 import itertools
 import json
 import math
@@ -589,7 +590,8 @@ def encode(staged_state_dict: Any, **meta: Unpack[FileMeta]) -> Encoded:
     A checkpoint file holds dicts, OrderedDicts, lists, tuples and namedtuples of: tensors and
     Parameters (CPU, allow-listed dtypes), numpy arrays and scalars of
     :data:`NUMPY_DTYPES`, ``None``, bools, ints, floats, complex numbers, strs, bytes,
-    ``torch.Size``, ``torch.dtype`` and ``torch.device`` (see ``docs/format.md``).
+    ``io.BytesIO`` (its bytes; read back at position 0), ``torch.Size``, ``torch.dtype`` and
+    ``torch.device`` (see ``docs/format.md``).
 
     :param meta: ``owner_rank``, ``step``, ``checkpoint_id``; optionally ``holder_rank``
         and ``created`` (the timestamp to record; default now).
@@ -619,6 +621,19 @@ class _FilePlanner(_Planner):
         if cls is np.ndarray:
             return self.array(x, path)
         return super().leaf(x, cls, path)
+
+    def bytes_io(self, x: io.BytesIO, path: KeyPath) -> Node:
+        """An ``io.BytesIO`` as a tensor entry of kind ``bytesio``: a 1-D uint8 view of its
+        buffer (the export keeps the BytesIO from being resized until the file is written)."""
+        known = self.arrays.get(id(x))  # (arrays and BytesIOs: one entry per object)
+        if known is not None:
+            return known
+        data = np.frombuffer(x.getbuffer(), np.uint8)
+        node = self.new_tensor(torch.from_numpy(data), path)
+        self.tensors[node.position] = self.tensors[node.position]._replace(kind=TensorKind.BYTESIO)
+        self.arrays[id(x)] = node
+        self.keepalive.append(x)
+        return node
 
     def array(self, x: np.ndarray[Any, Any], path: KeyPath) -> TensorNode:
         known = self.arrays.get(id(x))

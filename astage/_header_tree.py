@@ -682,7 +682,7 @@ class _HeaderParser:
             if type(entry) is not list or len(entry) != 3:
                 raise _fail("dtensors", f"expected [index, placements, global_shape], got {entry!r:.80}")
             index, placements, global_shape = entry
-            if type(index) is not int or not last < index < len(kinds) or kinds[index] == 2:
+            if type(index) is not int or not last < index < len(kinds) or kinds[index] >= 2:
                 raise _fail(
                     "dtensors", f"index {index!r:.40} is not a later tensor of kind tensor or parameter"
                 )

@@ -17,6 +17,9 @@ Invariants:
   locks, generators, weak references, objects that need arguments to be created again or
   keep state outside their attributes, and nesting deeper than :data:`MAX_DEPTH`.
   Nothing is ever silently dropped or copied wrongly.
+* An ``io.BytesIO`` is the one stream staged (DCP saves it as an item of its own): a
+  :class:`BytesIONode` that names the source, whose bytes and position are copied as the
+  stage runs (never from an earlier stage: a plan with one is never re-used).
 * Each container is read once, as a snapshot taken before its items are walked: the walk
   yields to the event loop between slices, and a container another task changes meanwhile
   is staged as it was when its walk began, never torn.
@@ -95,7 +98,11 @@ with a bare ``RecursionError``.  Real state_dicts nest a handful of levels.
 """
 
 _REFUSED: tuple[tuple[tuple[type, ...], str], ...] = (
-    ((io.IOBase,), "an open file or stream holds state outside Python (a descriptor, a position)"),
+    (
+        (io.IOBase,),
+        "a file or stream keeps state outside its attributes (a position, for a file a descriptor); "
+        "of streams only io.BytesIO itself is staged",
+    ),
     ((socket.socket,), "a socket is an operating-system resource"),
     ((threading.Thread,), "a thread cannot be copied"),
     (
@@ -130,6 +137,7 @@ class TensorKind(enum.Enum):
     PARAMETER = "parameter"
     DTENSOR = "dtensor"
     NDARRAY = "ndarray"  # a numpy array stored as a raw storage; only replicas (_format) make it
+    BYTESIO = "bytesio"  # an io.BytesIO stored as its bytes (1-D uint8); only _format makes it
 
 
 # Specs and leaf nodes are NamedTuples, not frozen dataclasses: a plan holds one per tensor,
@@ -174,6 +182,19 @@ class CopyNode:
     """A mutable non-container leaf, deep-copied at rebuild so the source can change."""
 
     value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class BytesIONode:
+    """An ``io.BytesIO`` leaf: staged as a new BytesIO holding a copy of its bytes, at its position.
+
+    The bytes are read from ``source`` when the stage copies (:func:`astage._rebuild.copy_bytes_io`,
+    in a worker thread), not when it plans; ``memo`` makes the same BytesIO met twice one copy.
+    """
+
+    memo: int
+    source: io.BytesIO
+    key_path: KeyPath
 
 
 class TensorNode(NamedTuple):
@@ -255,7 +276,7 @@ class ObjectNode:
     fields: tuple[tuple[str, Node], ...]
 
 
-Node = AtomNode | CopyNode | TensorNode | RefNode | DictNode | SeqNode | ObjectNode
+Node = AtomNode | CopyNode | TensorNode | RefNode | DictNode | SeqNode | ObjectNode | BytesIONode
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,6 +286,8 @@ class StagePlan:
     root: Node
     tensors: tuple[TensorSpec, ...]
     storages: tuple[StorageSpec, ...]
+    streams: tuple[BytesIONode, ...] = ()
+    """Every ``io.BytesIO`` of the tree, once each: what the stage copies besides storages."""
 
     @property
     def nbytes(self) -> int:
@@ -335,6 +358,7 @@ class _Planner:
         self.active: set[int] = set()
         self.keepalive: list[object] = []
         self.rebuilds: dict[type, _Rebuild | str] = {}
+        self.streams: list[BytesIONode] = []
 
     def walk(self, x: Any, path: KeyPath) -> Steps[Node]:
         cls = type(x)
@@ -366,7 +390,14 @@ class _Planner:
         """
         for index in (self.tensor_index, self.storage_index, self.storage_specs, self.memo):
             yield from iter_clear(index)
-        for items in (self.tensors, self.sources, self.storages, self.storage_objs, self.keepalive):
+        for items in (
+            self.tensors,
+            self.sources,
+            self.storages,
+            self.storage_objs,
+            self.keepalive,
+            self.streams,
+        ):
             yield from iter_drop(cast(list[Any], items))
 
     def _memo(self, x: object) -> int:
@@ -421,6 +452,9 @@ class _Planner:
             return SeqNode(memo, cls, items, proto, attrs)
         if isinstance(x, (types.MethodType, types.BuiltinMethodType)):
             return AtomNode(x)
+        if cls is io.BytesIO:
+            check_bytes_io(x, path)
+            return self.bytes_io(x, path)
         for refused, reason in _REFUSED:
             if isinstance(x, refused):
                 raise UnsupportedInputError(path, f"{cls.__qualname__} cannot be copied: {reason}")
@@ -483,6 +517,12 @@ class _Planner:
         how = _Rebuild.ATTRIBUTES if problem is None else problem
         self.rebuilds[cls] = how
         return how
+
+    def bytes_io(self, x: io.BytesIO, path: KeyPath) -> Node:
+        """The node of an ``io.BytesIO`` (checked by :func:`check_bytes_io`)."""
+        node = BytesIONode(self._memo(x), x, path)
+        self.streams.append(node)
+        return node
 
     def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
         if self.strict:
@@ -584,6 +624,21 @@ class _Planner:
         raise UnsupportedInputError(path, "quantized tensors are not supported")
 
 
+def check_bytes_io(x: io.BytesIO, path: KeyPath) -> None:
+    """Refuse a BytesIO whose bytes and position are not all it holds.
+
+    :raises UnsupportedInputError: it is closed (no bytes left), or carries attributes.
+    """
+    if x.closed:
+        raise UnsupportedInputError(path, "a closed io.BytesIO has no bytes left to stage")
+    if vars(x):
+        raise UnsupportedInputError(
+            path,
+            f"an io.BytesIO with attributes ({', '.join(map(repr, vars(x)))}) cannot be staged: "
+            "only its bytes and position are",
+        )
+
+
 class _Collector(_Planner):
     """A planner that only gathers the tree's tensors (plain or local) and their paths."""
 
@@ -635,7 +690,7 @@ def iter_plan(
     """
     planner = _Planner(strict=strict, allowed_devices=allowed_devices or supported_devices())
     root = yield from planner.walk(state_dict, ())
-    plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
+    plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages), tuple(planner.streams))
     source = PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs))
     yield from planner.iter_forget()
     return source

@@ -4,19 +4,27 @@
 with each planned tensor viewing its staged storage exactly as its source viewed the
 source storage (:func:`make_tensor`), wrapped as the Parameter or DTensor it was; the
 same object met twice in the source comes back as one object met twice.
+
+An ``io.BytesIO`` comes back as a new BytesIO with a copy of its bytes: of the source, at
+its position (:func:`copy_bytes_io`, which a stage runs in a worker thread beforehand:
+:func:`copy_streams`), or of a file's ``bytesio`` entry, at position 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import io
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import anyio
 import torch
 
+from ._errors import UnsupportedInputError
 from ._plan import (
     AtomNode,
+    BytesIONode,
     CopyNode,
     DictNode,
     ObjectNode,
@@ -27,6 +35,7 @@ from ._plan import (
     dtensor_class,
 )
 from ._slices import Steps, drive, slice_over, within
+from ._threads import run_sync
 
 if TYPE_CHECKING:
     from ._plan import Node, StagePlan, TensorSpec
@@ -40,6 +49,56 @@ def make_tensor(spec: TensorSpec, storage: torch.UntypedStorage) -> torch.Tensor
     if spec.neg:
         t = torch._neg_view(t)
     return t
+
+
+def filled_bytes_io(src: torch.Tensor) -> io.BytesIO:
+    """A new ``io.BytesIO`` (position 0) holding a copy of the 1-D uint8 tensor ``src``.
+
+    The BytesIO owns its buffer (shared with nothing, so reading it costs no copy later),
+    and torch copies into it with the GIL released: a large one does not stall the loop
+    from a worker thread.
+    """
+    n = src.numel()
+    out = io.BytesIO(bytes(n))  # the zeroed bytes object is the BytesIO's alone
+    if n:
+        with out.getbuffer() as view:
+            dst = torch.frombuffer(view, dtype=torch.uint8)
+            dst.copy_(src)
+            del dst  # its export of the buffer, before the view is released
+    return out
+
+
+def copy_bytes_io(node: BytesIONode) -> io.BytesIO:
+    """A new ``io.BytesIO`` with a copy of ``node.source``'s bytes, at its position.
+
+    :raises UnsupportedInputError: the source was closed after it was planned.
+    """
+    source = node.source
+    try:
+        with source.getbuffer() as view:
+            src = (
+                torch.frombuffer(view, dtype=torch.uint8)
+                if view.nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            out = filled_bytes_io(src)
+            del src
+        out.seek(source.tell())
+    except ValueError as exc:  # closed meanwhile
+        raise UnsupportedInputError(node.key_path, f"the io.BytesIO could not be read: {exc}") from exc
+    return out
+
+
+async def copy_streams(
+    plan: StagePlan, limiter: anyio.CapacityLimiter | None, *, threaded: bool
+) -> list[io.BytesIO]:
+    """Copies of every BytesIO of ``plan`` (:attr:`StagePlan.streams`), made in one worker
+    thread call (``threaded``), else on this thread."""
+    if not plan.streams:
+        return []
+    if not threaded:
+        return list(map(copy_bytes_io, plan.streams))
+    return await run_sync(list, map(copy_bytes_io, plan.streams), limiter=limiter)
 
 
 def rebuild(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Any:
@@ -71,11 +130,19 @@ class Rebuilder:
     # A class rather than nested closures: closures that call each other form a reference
     # cycle, which would keep the staged tensors (and so their buffers) alive until the
     # garbage collector happens to run.
-    def __init__(self, plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        plan: StagePlan,
+        local_tensor: Callable[[int], torch.Tensor],
+        streams: Sequence[io.BytesIO] | None = None,
+    ) -> None:
+        """:param streams: the copies of ``plan.streams`` (:func:`copy_streams`); ``None``:
+        copied here, as the tree is rebuilt."""
         self.plan = plan
         self.local_tensor = local_tensor
         self.built: dict[int, Any] = {}
         self.tensors: list[torch.Tensor | None] = [None] * len(plan.tensors)
+        self.streams = {} if streams is None else dict(zip(map(id, plan.streams), streams, strict=True))
 
     def tensor(self, index: int) -> torch.Tensor:
         done = self.tensors[index]
@@ -90,6 +157,8 @@ class Rebuilder:
             out = cast(Any, dtensor_class())(local, spec.dtensor_spec, requires_grad=spec.requires_grad)
         elif spec.kind is TensorKind.NDARRAY:
             out = cast(Any, local.numpy())  # shares the storage's memory, like every tensor here
+        elif spec.kind is TensorKind.BYTESIO:
+            out = cast(Any, filled_bytes_io(local))  # a copy: a BytesIO cannot view the storage
         else:
             out = local.requires_grad_(spec.requires_grad) if spec.requires_grad else local
         if spec.attrs is not None:
@@ -123,6 +192,11 @@ class Rebuilder:
                 return value
             case CopyNode(value):
                 return copy.deepcopy(value)
+            case BytesIONode(memo):
+                copied = self.streams.get(id(n))
+                out_b = copied if copied is not None else copy_bytes_io(n)
+                self.built[memo] = out_b
+                return out_b
             case RefNode(memo):
                 return self.built[memo]
             case DictNode(memo, keys, values, proto, attrs):

@@ -53,6 +53,7 @@ from ._errors import (
     IntegrityError,
     PeerReportedError,
     TransportError,
+    one_error,
 )
 from ._errors import describe as _describe
 from ._format import (
@@ -334,11 +335,12 @@ class ReplicationStager(anyio.abc.AsyncResource):
         """
         self._check_usable()
         _check_call(step, checkpoint_id)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._delete_retired)  # while staging, off the critical path
-            # This call's own stats: ``stager.last_stats`` is the latest stage's, which a
-            # concurrent call may have replaced by the time this one reads it.
-            staged, stage_stats = await self.stager.stage_with_stats(state_dict)
+        with one_error():  # the stager's error as it is, not in a group
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._delete_retired)  # while staging, off the critical path
+                # This call's own stats: ``stager.last_stats`` is the latest stage's, which a
+                # concurrent call may have replaced by the time this one reads it.
+                staged, stage_stats = await self.stager.stage_with_stats(state_dict)
         try:
             return await self._replicate(staged, step, checkpoint_id, stage_stats)
         except BaseException:
@@ -538,10 +540,11 @@ class ReplicationStager(anyio.abc.AsyncResource):
             started = time.perf_counter()
             deadline = started + self.timeout
             ckpt = checkpoint_id if checkpoint_id is not None else f"step{step}-{uuid.uuid4().hex[:12]}"
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
-                encoded = await self._encode(staged, step, ckpt, shared, stage_stats)
-                del shared
+            with one_error():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._delete_retired)  # (done already when replicate() staged)
+                    encoded = await self._encode(staged, step, ckpt, shared, stage_stats)
+                    del shared
             encoded_at = time.perf_counter()
             path = replica_path(
                 self.storage_dir,

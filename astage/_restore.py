@@ -47,7 +47,15 @@ import anyio
 import torch
 
 from . import _transport
-from ._errors import ConfigurationError, IntegrityError, PersistError, ResourceError, TransportError, describe
+from ._errors import (
+    ConfigurationError,
+    IntegrityError,
+    PersistError,
+    ResourceError,
+    TransportError,
+    describe,
+    one_error,
+)
 from ._format import BodyVerifier, FileHeader, parse_prefix
 from ._local_restore import ReadProgress
 from ._persist import (
@@ -553,11 +561,12 @@ async def _attempt(
             raise
 
     try:
-        async with anyio.create_task_group() as tg:
-            if not receive:
-                tg.start_soon(load_local)
-            if send or receive:
-                tg.start_soon(transfer)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                if not receive:
+                    tg.start_soon(load_local)
+                if send or receive:
+                    tg.start_soon(transfer)
     except BaseException:
         if attempt.error is None:
             raise

@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import torch
 
-from ._errors import IntegrityError, PersistError
+from ._errors import IntegrityError, PersistError, one_error
 from ._format import BodyVerifier, FileHeader, byte_view, parse_prefix
 from ._header_cache import HeaderCache
 from ._persist import BlockingWriter, CheckpointFileWriter, DirOpener, blocking_io, temp_path_for
@@ -113,9 +113,10 @@ class _StreamingSink:
     async def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
         data = byte_view(chunk)
         # The write and the checksums read the same bytes, independently: run them at once.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write, data)
-            tg.start_soon(self._verify, data)
+        with one_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write, data)
+                tg.start_soon(self._verify, data)
 
     async def _verify(self, data: memoryview) -> None:
         assert self.verifier is not None

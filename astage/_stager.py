@@ -70,7 +70,7 @@ from ._options import (
 )
 from ._plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
 from ._pool import Buffer, BufferKind, BufferPool, Lease, PoolStats
-from ._rebuild import Rebuilder, make_tensor, plain_tensor_mode
+from ._rebuild import Rebuilder, copy_streams, make_tensor, plain_tensor_mode
 from ._slices import Steps, clock, drive, iter_distinct, run_steps, slice_over, within
 from ._threads import run_sync
 
@@ -415,7 +415,8 @@ class DefaultStager(anyio.abc.AsyncResource):
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
-            rebuilder = Rebuilder(plan, staged_locals.__getitem__)
+            streams = await copy_streams(plan, self._limiter, threaded=self._resolved.async_copy)
+            rebuilder = Rebuilder(plan, staged_locals.__getitem__, streams)
             staged = await self._run(rebuilder.node(plan.root))
             if patches is not None:
                 set_atoms(staged, *patches)

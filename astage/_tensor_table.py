@@ -61,14 +61,16 @@ _CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.in
 _CODE_FLOATING: Final = np.array([d.is_floating_point or d.is_complex for d in _CODE_DTYPES])
 _CODE_COMPLEX: Final = np.array([d.is_complex for d in _CODE_DTYPES])
 _CODE_NUMPY: Final = np.array([name in NUMPY_DTYPES for name in DTYPE_CODES])
-_KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY)
-"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0)."""
+_KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY, TensorKind.BYTESIO)
+"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0).  Append only."""
 _KIND_CODE: Final = {
     TensorKind.TENSOR: 0,
     TensorKind.PARAMETER: 1,
     TensorKind.NDARRAY: 2,
     TensorKind.DTENSOR: 0,
+    TensorKind.BYTESIO: 3,
 }
+_UINT8_CODE: Final = DTYPE_CODES.index("uint8")
 
 
 def _objects(values: Sequence[Any]) -> np.ndarray[Any, Any]:
@@ -232,7 +234,7 @@ def _check_codes(records: np.ndarray[Any, Any], dims: np.ndarray[Any, Any], nsto
         (storage >= nstorages, f"storage is not one of the {nstorages} storages"),
         (code >= len(DTYPE_CODES), f"dtype code is not one of the {len(DTYPE_CODES)} allowed"),
         (ndim > MAX_NDIM, f"more than {MAX_NDIM} dimensions"),
-        (kind >= len(_KIND_CODES), "kind code is not 0, 1 or 2"),
+        (kind >= len(_KIND_CODES), f"kind code is not one of the {len(_KIND_CODES)} kinds"),
         ((flags | _FLAGS) != _FLAGS, "unknown flag bits"),
         (records["offset"] < 0, "negative storage offset"),
     ):
@@ -248,6 +250,10 @@ def _check_codes(records: np.ndarray[Any, Any], dims: np.ndarray[Any, Any], nsto
         ((flags & FLAG_CONJ != 0) & ~_CODE_COMPLEX[code], "only complex tensors have a conjugate bit"),
         ((flags & FLAG_NEG != 0) & ~floating, "only floating or complex tensors have a negative bit"),
         ((kind == 2) & (~_CODE_NUMPY[code] | (flags != 0)), "an ndarray needs a numpy dtype and no flags"),
+        (
+            (kind == 3) & ((code != _UINT8_CODE) | (ndim != 1) | (flags != 0)),
+            "kind bytesio needs one uint8 dimension and no flags",
+        ),
     ):
         if bad.any():
             raise _fail(f"tensors[{_first(bad)}]", what)

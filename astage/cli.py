@@ -118,7 +118,16 @@ def _progress(description: str, total: float | None, *, nbytes: bool) -> Iterato
 
 
 def _iso(timestamp: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+    """A local date and time for any timestamp a valid file can hold (every finite float).
+
+    Beyond what the platform's calendar reaches (about ±1e17 s here) it is shown as seconds:
+    a valid file is displayed, never reported unreadable for its date.
+    """
+    try:
+        t = time.localtime(timestamp)
+    except (OverflowError, OSError, ValueError):
+        return f"{timestamp:.6g} s from the epoch (beyond the calendar)"
+    return f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d} {t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}"
 
 
 # -- inspect --------------------------------------------------------------------------------

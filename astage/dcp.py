@@ -6,7 +6,8 @@ Two entry points:
   ``torch.distributed.checkpoint.async_save(..., async_stager=...)`` expects: ``stage()``
   returns a ``concurrent.futures.Future`` at once, while the astage stager runs on an event
   loop in a background thread that the adapter owns (an anyio blocking portal, started by
-  the first ``stage()`` and stopped by ``close()``).
+  the first ``stage()`` and stopped by ``close()``, or at the latest when the adapter is
+  collected or the interpreter exits).
 * :func:`async_save` is the native path for async code: it stages on the caller's own event
   loop (asyncio or trio), returns once the copy is training-safe, and runs ``dcp.save`` of
   the staged copy in a thread; the returned :class:`AsyncSaveHandle` awaits that upload
@@ -20,22 +21,30 @@ Invariants:
   surfaces as :class:`~astage.PersistError` whose ``__cause__`` is torch's exception.
 * ``StagerAdapter.close()`` is idempotent, waits for stages in flight and always stops the
   portal thread.
+* Nothing here keeps the interpreter from exiting, closed or not: the portal's thread is a
+  daemon, and an adapter left open is closed by an exit hook while that thread still runs
+  (a portal torn down later, when the interpreter finalizes its objects, waited for ever
+  on a thread that no longer runs).  Only the upload thread of :func:`async_save` delays the
+  exit, until the checkpoint it writes is complete, as torch's own executor does.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Self
 
+import anyio
 import torch
 import torch.distributed as dist
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -57,6 +66,8 @@ from ._options import accelerator_available
 from ._stager import AsyncStager, DefaultStager
 
 __all__ = ["AsyncSaveHandle", "StagerAdapter", "async_save"]
+
+log = logging.getLogger(__name__)
 
 StateDict = dict[str, Any]
 CheckpointId = str | os.PathLike[str]
@@ -81,7 +92,9 @@ class StagerAdapter(TorchAsyncStager):
     The stager runs on the adapter's own event loop thread and must not be used from any
     other loop while the adapter has it.  Where an accelerator is present, each stage runs
     on the device and stream that were current on the thread that called ``stage()``.
-    Thread-safe; call :meth:`close` (or leave the ``with`` block) after the last save.
+    Thread-safe; call :meth:`close` (or leave the ``with`` block) after the last save.  An
+    adapter left open never keeps the interpreter from exiting: it is closed when it is
+    collected, or at exit (cancelling a stage nobody waits for any more).
 
     A staging error reaches ``upload_completion``.  torch's ``async_save`` (as of 2.13) reports
     ``staging_completion`` as successful when the staging future had already failed by the
@@ -104,8 +117,9 @@ class StagerAdapter(TorchAsyncStager):
         self._stager: AsyncStager = stager if stager is not None else DefaultStager()
         self._close_stager = close_stager or stager is None
         self._lock = threading.Lock()
-        self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
-        self._portal: BlockingPortal | None = None
+        self._loop: _LoopThread | None = None
+        # Closes an adapter left open when it is collected or the interpreter exits.
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._pending: set[concurrent.futures.Future[StateDict]] = set()
         self._closed = False
 
@@ -134,23 +148,18 @@ class StagerAdapter(TorchAsyncStager):
         with self._lock:
             if self._closed:
                 raise ClosedError("stage() called on a closed StagerAdapter")
-            future = self._start_portal().start_task_soon(self._stage, state_dict, stream)
+            future = self._start_portal().start_task_soon(_stage, self._stager, state_dict, stream)
             self._pending.add(future)
         future.add_done_callback(self._settled)
         return future
 
-    async def _stage(self, state_dict: StateDict, stream: torch.Stream | None) -> StateDict:
-        if stream is not None:
-            torch.accelerator.set_stream(stream)
-        staged: StateDict = await self._stager.stage(state_dict)
-        return staged
-
     def _start_portal(self) -> BlockingPortal:
-        if self._portal is None:
-            cm = start_blocking_portal()
-            self._portal = cm.__enter__()
-            self._portal_cm = cm
-        return self._portal
+        if self._loop is None:
+            self._loop = _LoopThread()
+            # The hook holds what it closes, never the adapter (or it would never be collected).
+            owned = self._stager if self._close_stager else None
+            self._finalizer = weakref.finalize(self, _abandon, self._loop, owned, self._pending)
+        return self._loop.portal
 
     def _settled(self, future: concurrent.futures.Future[StateDict]) -> None:
         # Forget finished stages at once: holding their futures would keep staged copies
@@ -179,15 +188,17 @@ class StagerAdapter(TorchAsyncStager):
             self._closed = True
             if self._close_stager:
                 self._start_portal()
-            portal, cm = self._portal, self._portal_cm
-            self._portal = self._portal_cm = None
-        if portal is None or cm is None:
+            loop, finalizer = self._loop, self._finalizer
+            self._loop = self._finalizer = None
+        if loop is None:
             return
+        if finalizer is not None:
+            finalizer.detach()
         try:
             if self._close_stager:
-                portal.call(self._stager.aclose)
+                loop.portal.call(self._stager.aclose)
         finally:
-            cm.__exit__(None, None, None)
+            loop.stop(cancel_remaining=False)
 
     def __enter__(self) -> Self:
         return self
@@ -199,6 +210,78 @@ class StagerAdapter(TorchAsyncStager):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+async def _stage(stager: AsyncStager, state_dict: StateDict, stream: torch.Stream | None) -> StateDict:
+    # A function, not a method: a task on the loop thread must not keep the adapter alive.
+    if stream is not None:
+        torch.accelerator.set_stream(stream)
+    staged: StateDict = await stager.stage(state_dict)
+    return staged
+
+
+class _LoopThread:
+    """An anyio event loop (asyncio) in a daemon thread, entered through a blocking portal.
+
+    A daemon, unlike a non-daemon thread, cannot hold the interpreter's exit; the worker
+    threads its loop starts inherit that.  anyio's ``start_blocking_portal`` also runs a
+    daemon thread, but its stop lives in a generator that, left open, the interpreter closed
+    only while finalizing, when that thread no longer ran: the exit hung for ever.
+    """
+
+    def __init__(self) -> None:
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._run, args=(ready,), name="astage-dcp-stager", daemon=True)
+        self.thread.start()
+        self.portal = ready.result()
+
+    @staticmethod
+    def _run(ready: concurrent.futures.Future[BlockingPortal]) -> None:
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                ready.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        try:
+            anyio.run(serve)
+        except BaseException as exc:  # handed to the thread that waits for the portal
+            if not ready.done():
+                ready.set_exception(exc)
+            else:
+                log.error("the StagerAdapter's event loop failed: %s", describe(exc))
+
+    def stop(self, *, cancel_remaining: bool) -> None:
+        """Stop the loop (cancelling its tasks, or after them) and wait for its thread."""
+        with contextlib.suppress(RuntimeError):  # stopped already
+            self.portal.call(self.portal.stop, cancel_remaining)
+        self.thread.join()
+
+
+def _abandon(
+    loop: _LoopThread, stager: AsyncStager | None, pending: set[concurrent.futures.Future[StateDict]]
+) -> None:
+    """Close an adapter nobody closed: it was collected, or the interpreter is exiting.
+
+    At exit this runs before daemon threads stop and after every other thread has ended
+    (torch's upload threads included), so nobody waits for a stage still in flight: it is
+    cancelled.  A collection may run on the loop's own thread, which cannot wait for
+    itself: another thread closes it then.
+    """
+    if threading.current_thread() is loop.thread:
+        helper = threading.Thread(
+            target=_abandon, args=(loop, stager, pending), name="astage-dcp-close", daemon=True
+        )
+        helper.start()
+        return
+    for future in list(pending):
+        future.cancel()
+    try:
+        if stager is not None:
+            loop.portal.call(stager.aclose)
+    except Exception as exc:  # nobody to raise to
+        log.warning("closing the stager of an unclosed StagerAdapter failed: %s", describe(exc))
+    finally:
+        loop.stop(cancel_remaining=True)
 
 
 class AsyncSaveHandle:

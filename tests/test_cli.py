@@ -8,12 +8,14 @@ variations of one behaviour run in-process through :func:`astage.cli.main`, the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 
 import astage
 from astage._format import encode
+from astage._markers import read_marker
 from astage._persist import write_checkpoint_file
 from astage.cli import build_parser, main
 
@@ -389,6 +392,63 @@ def test_an_error_naming_untrusted_text_is_one_plain_line(
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert "bad[/]\\nname.astage" in err
+
+
+# -- any valid file is shown ------------------------------------------------------------------
+
+# Every finite timestamp is valid to the loaders: beyond the platform's time_t (1e300,
+# -1e20), beyond its calendar (1e18, 1e17), before year 1 (-6e10), and ordinary ones.
+ODD_TIMES = [1e300, -1e20, 1e18, 1e17, -1e17, -6e10, 0.0, 5e-324]
+
+
+async def _save_with_created(root: Path, created: float) -> tuple[Path, Path]:
+    """A committed step whose marker says ``created``, and a loose file created then."""
+    async with astage.Checkpointer(root / "run") as ckpt:
+        await ckpt.save(1, state(1))
+    marker_path = root / "run" / "step_0000000001" / "rank00000.COMMITTED"
+    marker = read_marker(marker_path, step=1, rank=0)
+    marker_path.write_bytes(dataclasses.replace(marker, created=created).to_json())
+    loose = root / "loose" / "rank00000.astage"
+    loose.parent.mkdir()
+    await write_checkpoint_file(
+        loose, encode(state(2), owner_rank=0, step=2, checkpoint_id="c", created=created)
+    )
+    return marker_path, loose
+
+
+@pytest.mark.parametrize("created", ODD_TIMES)
+def test_a_valid_file_with_any_creation_time_is_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], created: float
+) -> None:
+    marker, loose = anyio.run(_save_with_created, tmp_path, created)
+    assert astage.inspect_checkpoint_file(loose).created == created  # the loaders accept it
+    assert read_marker(marker, step=1, rank=0).created == created
+    for argv in (["inspect", str(loose)], ["inspect", str(marker)], ["ls", str(tmp_path)]):
+        code, out, err = in_process(argv, capsys)
+        assert (code, err) == (0, ""), argv
+        assert "DAMAGED" not in out
+        code, out, err = in_process([argv[0], "--json", *argv[1:]], capsys)
+        assert (code, err) == (0, ""), argv
+        doc = json.loads(out)
+        if argv[0] == "inspect":
+            assert doc["created"] == created
+        else:
+            assert doc["ok"]
+            assert doc["checkpoints"][0]["steps"][0]["ranks"][0]["created"] == created
+    code, out, _ = in_process(["inspect", str(loose)], capsys)
+    if abs(created) < 1e11:  # within the calendar: a local date and time, year padded
+        expected = time.localtime(created)
+        assert f"created {expected.tm_year:04d}-{expected.tm_mon:02d}-{expected.tm_mday:02d}" in out
+    elif abs(created) > 1e17:
+        assert f"created {created:.6g} s from the epoch" in out
+
+
+def test_only_a_damaged_file_is_reported_damaged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, loose = anyio.run(_save_with_created, tmp_path, 1e300)
+    flip_last_byte(loose)
+    code, _, err = in_process(["inspect", str(loose)], capsys)
+    assert code == 2
+    assert "checksum" in err
 
 
 # -- the parser -----------------------------------------------------------------------------

@@ -288,6 +288,12 @@ async def _coroutine() -> None:
     pass
 
 
+def _closed_bytes_io() -> io.BytesIO:
+    out = io.BytesIO(b"data")
+    out.close()
+    return out
+
+
 @pytest.fixture
 def unsupported(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """One value of each kind that cannot be staged faithfully."""
@@ -303,7 +309,9 @@ def unsupported(tmp_path: Path) -> Iterator[dict[str, Any]]:
         "temporary file wrapper": named,
         "mmap": mapped,
         "binary file": binary,
-        "BytesIO": io.BytesIO(b"data"),
+        "StringIO": io.StringIO("data"),  # (an exact io.BytesIO is staged: tests/test_bytes_io.py)
+        "BytesIO subclass": type("Sub", (io.BytesIO,), {})(b"data"),
+        "closed BytesIO": _closed_bytes_io(),
         "socket": sock,
         "thread": threading.Thread(target=print),
         "lock": threading.Lock(),
@@ -336,7 +344,9 @@ def unsupported(tmp_path: Path) -> Iterator[dict[str, Any]]:
         "temporary file wrapper",
         "mmap",
         "binary file",
-        "BytesIO",
+        "StringIO",
+        "BytesIO subclass",
+        "closed BytesIO",
         "socket",
         "thread",
         "lock",
