@@ -53,7 +53,7 @@ from typing import Any
 
 import crc32c
 import numpy as np
-import numpy.ma  # noqa: F401  numpy imports it lazily on a first use; the audit must not see that
+import numpy.ma  # numpy imports it lazily on a first use; the audit must not see that
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
