@@ -104,6 +104,7 @@ from ._parse_bound import (
     _text_tokens,
     _Tokens,
     _unpadded_len,
+    note_cost,
 )
 from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from ._rebuild import rebuild
@@ -410,9 +411,8 @@ class FileLayout:
         members = self._members()
         text = b"".join([members, self.tree_json.encode("ascii"), b"}"])
         cost = _joined_cost([_text_tokens(members), self.tree_tokens], len(text))
-        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
         binary = [counts, self.tables, storages.tobytes()]
-        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), charged)
+        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), self._charged())
 
     def header_nbytes(self) -> int:
         """The length of the header :meth:`header_parts` makes, padding included, without
@@ -420,9 +420,12 @@ class FileLayout:
         members = self._members()
         text_len = len(members) + len(self.tree_json) + 1
         cost = _joined_cost([_text_tokens(members), self.tree_tokens], text_len)
-        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
         binary_len = _COUNTS.size + len(self.tables) + self.storage_table.nbytes
-        return binary_len + text_len + _padding(text_len, cost, binary_len, charged)
+        return binary_len + text_len + _padding(text_len, cost, binary_len, self._charged())
+
+    def _charged(self) -> int:
+        """What a reader charges beyond the text's tokens: the tables and the structure."""
+        return self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
 
     def _members(self) -> bytes:
         """The header JSON's metadata members, up to the comma before the tree's: joined
@@ -489,13 +492,17 @@ def iter_lay_out(
     end = offset_list[-1] + nbytes[-1] if nbytes else 0
     del offsets, padded
     yield
-    dtensors = []
+    dtensors: list[list[Any]] = []
+    charged = tree_encoder.charged
     if TensorKind.DTENSOR in map(_kind_of, plan.tensors):
-        dtensors = [
-            [i, repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)]
-            for i, spec in enumerate(plan.tensors)
-            if spec.kind is TensorKind.DTENSOR
-        ]
+        for i, spec in enumerate(plan.tensors):
+            if spec.kind is TensorKind.DTENSOR:
+                placements, shape = repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)
+                dtensors.append([i, placements, shape])
+                # A reader charges each note as it meets it: the header pays for it.
+                charged += note_cost(placements, len(shape))
+            if slice_over():
+                yield
     yield
     tree_json = (yield from iter_json_text({"dtensors": dtensors, "tree": tree}))[1:-1]
     yield
@@ -527,7 +534,7 @@ def iter_lay_out(
         offsets=tuple(offset_list),
         nbytes=tuple(nbytes),
         body_nbytes=end,
-        charged=tree_encoder.charged,
+        charged=charged,
         tree_tokens=tree_tokens,
         storage_table=storage_table,
     )
