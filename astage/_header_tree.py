@@ -48,7 +48,7 @@ from ._format_spec import (
 )
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
-from ._parse_bound import CHARGED_FROM_VERSION, namedtuple_cost, note_cost, path_cost
+from ._parse_bound import container_cost, namedtuple_cost, note_cost, path_cost
 from ._plan import (
     AtomNode,
     CopyNode,
@@ -310,7 +310,9 @@ class _TreeEncoder:
         return json_keys
 
     def _done(self, memo: int) -> None:
+        """A container written: numbered as a reader numbers it, and charged as it charges it."""
         self.memo[memo] = len(self.memo)
+        self.charged += _CONTAINER_COST
 
     @staticmethod
     def _check_depth(path: KeyPath, depth: int) -> None:
@@ -352,6 +354,7 @@ class _TreeEncoder:
 
 
 _position = attrgetter("position")
+_CONTAINER_COST: Final = container_cost()
 
 
 def json_text(value: Any) -> str:
@@ -605,6 +608,8 @@ class _HeaderParser:
         self.prefix_len = prefix_len
         self.version = version
         self.budget = budget  # see _parse_cost
+        self.bound_version = version  # the binary version: it says what the padding paid for
+        self.container_cost = container_cost(version)
         self.tables = tables
         self.containers = 0
         self.paths: list[KeyPath | None] = []
@@ -699,8 +704,7 @@ class _HeaderParser:
             if type(placements) is not str:
                 raise _fail("dtensors", "placements must be a str")
             notes[index] = DTensorNote(placements, _dims(global_shape, "dtensors", "global_shape"))
-            if self.version >= CHARGED_FROM_VERSION:
-                self.charge(note_cost(placements, len(global_shape)))
+            self.charge(note_cost(placements, len(global_shape), self.bound_version))
             last = index
         return tuple(notes)
 
@@ -855,6 +859,7 @@ class _HeaderParser:
             node = SeqNode(self.containers, self.namedtuple(typename, fields, where), nodes, None, ())
         else:
             raise _fail(where, f"unknown or malformed node {raw!r:.80}")
+        self.charge(self.container_cost)
         self.containers += 1
         return node
 
@@ -973,7 +978,7 @@ class _HeaderParser:
         if known is not None:
             return known
         try:
-            self.charge(namedtuple_cost(typename, fields))
+            self.charge(namedtuple_cost(typename, fields, self.bound_version))
             made = _namedtuple_class(typename, fields)
         except (ValueError, TypeError) as exc:
             raise _fail(where, f"invalid namedtuple: {exc}") from exc

@@ -57,6 +57,9 @@ NODE_COSTS: Final[Mapping[str, NodeCost]] = {
     # peak, and bytes more a character of the names); a DTensor note, an object and its
     # global shape's tuple.
     "key_path": NodeCost(48, 8),
+    # A container's plan node (a DictNode or SeqNode and the tuples it holds): its JSON
+    # list, tag and items are tokens, the node is not (~80 bytes short a container).
+    "container": NodeCost(160),
     "namedtuple": NodeCost(24 << 10, 2 << 10, 16),
     "dtensor_note": NodeCost(96, 8, 1),
 }
@@ -65,12 +68,27 @@ node kind, measured on the densest headers of each (``tests/test_parse_cost.py``
 that what these charge bounds the real peak).  A kind of node added to the format adds an
 entry here, charged by the parser and the encoder alike."""
 
+LEGACY_NODE_COSTS: Final[Mapping[str, NodeCost]] = {
+    **NODE_COSTS,
+    "namedtuple": NodeCost(8 << 10, 256),
+    "container": NodeCost(0),
+    "dtensor_note": NodeCost(0),
+}
+"""The costs versions 2 to 4 were padded for, which they are read with: a file written then
+stays readable.  Their DTensor notes are not charged (that encoder did not pay for them,
+and their tokens cover what they allocate: measured ~700 bytes a note, ~960 charged)."""
+
 CHARGED_FROM_VERSION: Final = 5
-"""From this version the bound also counts the header bytes a reader holds while it parses
-(read from a file or received from a peer, once each: loading a file stays within
-:data:`PARSE_AMPLIFICATION` times its header, not one time more) and the DTensor notes'
-objects.  Older headers were padded without those and are read as they were written: their
-notes' tokens cover what the notes allocate (measured: ~700 bytes a note, ~960 charged)."""
+"""From this version the bound counts what the parse really allocates (:data:`NODE_COSTS`)
+and the header bytes a reader holds while it parses (read from a file or received from a
+peer, once each): loading a file stays within :data:`PARSE_AMPLIFICATION` times its
+header, not one time more."""
+
+
+def node_costs(version: int) -> Mapping[str, NodeCost]:
+    """The cost table headers of ``version`` are charged with."""
+    return NODE_COSTS if version >= CHARGED_FROM_VERSION else LEGACY_NODE_COSTS
+
 
 _DIGITS: Final = b"0123456789"
 _SCAN: Final = 64 << 10  # bytes in the first step of the backwards search for the padding
@@ -91,14 +109,19 @@ def path_cost(keys: int) -> int:
     return _COST_PATH + _COST_KEY * keys
 
 
-def namedtuple_cost(typename: str, fields: Sequence[str]) -> int:
+def namedtuple_cost(typename: str, fields: Sequence[str], version: int = FORMAT_VERSION) -> int:
     """The charge of making a namedtuple class (once a class a header)."""
-    return NODE_COSTS["namedtuple"].of(len(fields), len(typename) + sum(map(len, fields)))
+    return node_costs(version)["namedtuple"].of(len(fields), len(typename) + sum(map(len, fields)))
 
 
-def note_cost(placements: str, ndim: int) -> int:
+def note_cost(placements: str, ndim: int, version: int = FORMAT_VERSION) -> int:
     """The charge of a DTensor note: ``placements`` and a global shape of ``ndim`` dimensions."""
-    return NODE_COSTS["dtensor_note"].of(ndim, len(placements))
+    return node_costs(version)["dtensor_note"].of(ndim, len(placements))
+
+
+def container_cost(version: int = FORMAT_VERSION) -> int:
+    """The charge of a container's plan node (a dict, list, tuple or namedtuple)."""
+    return node_costs(version)["container"].base
 
 
 def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
