@@ -20,7 +20,7 @@ import torch
 
 from ._errors import IntegrityError
 from ._limits import INT64 as _INT64
-from ._plan import StagePlan
+from ._plan import StagePlan, TensorKind
 
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every checkpoint file."""
@@ -128,12 +128,23 @@ def flag_bits(requires_grad: bool, conj: bool, neg: bool) -> int:
     return FLAG_REQUIRES_GRAD * requires_grad | FLAG_CONJ * conj | FLAG_NEG * neg
 
 
-def flags_refused(dtype: torch.dtype, flags: int) -> str | None:
-    """What a tensor of ``dtype`` with ``flags`` may not carry (:func:`allowed_flags`), or ``None``."""
+def tensor_refused(dtype: torch.dtype, kind: TensorKind, flags: int) -> str | None:
+    """Why a file cannot hold a tensor of ``dtype``, ``kind`` and ``flags``, or ``None``.
+
+    The one rule for a tensor's record: the encoder refuses by it (naming the key path)
+    and the reader's table check is a lookup table made from it, so what one accepts the
+    other does.  A DTensor is stored as its local tensor (kind ``tensor``).
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        return f"dtype {dtype} is not in the checkpoint file format's allow-list"
     refused = flags & ~allowed_flags(dtype)
-    if not refused:
-        return None
-    return " and ".join(name for bit, name in FLAG_NAMES.items() if refused & bit)
+    if refused:
+        names = " and ".join(what for bit, what in FLAG_NAMES.items() if refused & bit)
+        return f"a {name} tensor cannot carry {names}"
+    if kind is TensorKind.NDARRAY and (name not in NUMPY_DTYPES or flags):
+        return "an ndarray needs a numpy dtype and no flags"
+    return None
 
 
 NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
@@ -146,6 +157,7 @@ NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
 """numpy dtypes of the arrays and scalars a checkpoint file holds (each is also a torch dtype)."""
 
 _NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
+_DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 
 
 # -- data ---------------------------------------------------------------------------------

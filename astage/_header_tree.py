@@ -44,7 +44,7 @@ from ._format_spec import (
     _align,
     _fail,
     flag_bits,
-    flags_refused,
+    tensor_refused,
 )
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
@@ -66,10 +66,10 @@ from ._plan import (
 )
 from ._slices import Steps, slice_over
 from ._tensor_table import (
+    _any_refused,
     _check_tensor_table,
     _new_tuple,
     _numel_overflows,
-    _refused_flags,
     _storage_table,
     _Tables,
     _tensor_specs,
@@ -334,10 +334,9 @@ class _TreeEncoder:
 
     @staticmethod
     def _check_tensor(spec: TensorSpec, path: KeyPath) -> None:
-        if spec.dtype not in _DTYPE_NAMES:
-            raise UnsupportedInputError(
-                path, f"dtype {spec.dtype} is not in the checkpoint file format's allow-list"
-            )
+        why = tensor_refused(spec.dtype, spec.kind, flag_bits(spec.requires_grad, spec.conj, spec.neg))
+        if why is not None:
+            raise UnsupportedInputError(path, f"cannot be stored in a checkpoint file: {why}")
         if len(spec.size) > MAX_NDIM:
             raise UnsupportedInputError(
                 path, f"{len(spec.size)} dimensions, the checkpoint file format holds at most {MAX_NDIM}"
@@ -345,11 +344,6 @@ class _TreeEncoder:
         if spec.attrs is not None:
             raise UnsupportedInputError(
                 path, "tensors carrying Python attributes cannot be stored in a checkpoint file"
-            )
-        refused = flags_refused(spec.dtype, flag_bits(spec.requires_grad, spec.conj, spec.neg))
-        if refused is not None:
-            raise UnsupportedInputError(
-                path, f"a {spec.dtype} tensor with {refused} cannot be stored in a checkpoint file"
             )
 
 
@@ -509,7 +503,7 @@ def _all_storable(specs: Sequence[TensorSpec]) -> bool:
         set(map(attrgetter("dtype"), specs)) <= _DTYPE_NAMES.keys()
         and max(map(len, map(attrgetter("size"), specs)), default=0) <= MAX_NDIM
         and list(map(attrgetter("attrs"), specs)).count(None) == len(specs)
-        and not _refused_flags(specs)
+        and not _any_refused(specs)
     )
 
 
@@ -768,8 +762,9 @@ class _HeaderParser:
             raise _fail(where, f"kind must be one of {sorted(_KINDS)}, got {kind!r:.40}")
         if type(requires_grad) is not bool:
             raise _fail(where, "requires_grad must be a bool")
-        if requires_grad and flags_refused(dtype, FLAG_REQUIRES_GRAD):
-            raise _fail(where, f"a {dtype_name} tensor cannot carry requires_grad")
+        why = tensor_refused(dtype, TensorKind.TENSOR, FLAG_REQUIRES_GRAD * requires_grad)
+        if why is not None:
+            raise _fail(where, why)
         if tensor_kind in _V2_KINDS and self.version < 2:
             raise _fail(where, f"kind {kind} needs format version 2")
         if tensor_kind is TensorKind.NDARRAY and (

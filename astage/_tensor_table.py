@@ -27,12 +27,10 @@ from ._format_spec import (
     FLAG_NEG,
     FLAG_REQUIRES_GRAD,
     MAX_NDIM,
-    NUMPY_DTYPES,
     Segment,
     Segments,
     _fail,
-    allowed_flags,
-    flags_refused,
+    tensor_refused,
 )
 from ._limits import INT64 as _INT64
 from ._plan import TensorKind, TensorNode, TensorSpec
@@ -68,9 +66,6 @@ _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES)}
 _CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
 _CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
-_CODE_FLAGS: Final = np.array([allowed_flags(d) for d in _CODE_DTYPES], np.uint8)
-"""Per dtype code, the flags a tensor may carry (:func:`astage._format_spec.allowed_flags`)."""
-_CODE_NUMPY: Final = np.array([name in NUMPY_DTYPES for name in DTYPE_CODES])
 _KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY)
 """Version 3's kind codes (a DTensor is stored as its local tensor, code 0)."""
 _KIND_CODE: Final = {
@@ -89,6 +84,17 @@ def _objects(values: Sequence[Any]) -> np.ndarray[Any, Any]:
     return out
 
 
+_REFUSED: Final = np.array(
+    [
+        [
+            [tensor_refused(dtype, kind, flags) is not None for flags in range(_FLAGS + 1)]
+            for kind in _KIND_CODES
+        ]
+        for dtype in _CODE_DTYPES
+    ]
+)
+"""``_REFUSED[dtype code, kind code, flags]``: whether :func:`astage._format_spec.tensor_refused`
+refuses that record; both sides' checks, a column at a time."""
 _CODE_DTYPE_OBJECTS: Final = _objects(_CODE_DTYPES)
 _KIND_OBJECTS: Final = _objects(_KIND_CODES)
 _new_tuple: Final = tuple.__new__
@@ -136,13 +142,17 @@ def _flag_column(
     return flags
 
 
-def _refused_flags(specs: Sequence[Any]) -> bool:
-    """Whether a tensor among ``specs`` carries a flag its dtype may not (column-wise)."""
+def _any_refused(specs: Sequence[Any]) -> bool:
+    """Whether :func:`astage._format_spec.tensor_refused` refuses a tensor among ``specs``
+    (checked a column at a time)."""
     if not specs:
         return False
-    _, _, dtype, _, _, _, _, requires_grad, conj, neg, *_ = zip(*specs, strict=True)
-    codes = np.fromiter(map(_DTYPE_CODE.get, dtype, repeat(0)), np.int64, len(specs))
-    return bool((_flag_column(requires_grad, conj, neg) & ~_CODE_FLAGS[codes]).any())
+    _, _, dtype, _, _, _, kind, requires_grad, conj, neg, *_ = zip(*specs, strict=True)
+    if not set(dtype) <= _DTYPE_CODE.keys():
+        return True
+    codes = np.fromiter(map(_DTYPE_CODE.__getitem__, dtype), np.int64, len(specs))
+    kinds = np.fromiter(map(_KIND_CODE.__getitem__, kind), np.int64, len(specs))
+    return bool(_REFUSED[codes, kinds, _flag_column(requires_grad, conj, neg)].any())
 
 
 class _Tables(NamedTuple):
@@ -268,14 +278,11 @@ def _check_codes(records: np.ndarray[Any, Any], dims: np.ndarray[Any, Any], nsto
         raise _fail("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
     if (dims < 0).any():
         raise _fail("dims", "a negative size or stride")
-    refused = flags & ~_CODE_FLAGS[code]
+    refused = _REFUSED[code, kind, flags]
     if refused.any():
         i = _first(refused)
-        names = flags_refused(_CODE_DTYPES[int(code[i])], int(flags[i]))
-        raise _fail(f"tensors[{i}]", f"a {DTYPE_CODES[int(code[i])]} tensor cannot carry {names}")
-    bad = (kind == 2) & (~_CODE_NUMPY[code] | (flags != 0))
-    if bad.any():
-        raise _fail(f"tensors[{_first(bad)}]", "an ndarray needs a numpy dtype and no flags")
+        why = tensor_refused(_CODE_DTYPES[int(code[i])], _KIND_CODES[int(kind[i])], int(flags[i]))
+        raise _fail(f"tensors[{i}]", str(why))
 
 
 def _check_extents(
