@@ -6,7 +6,7 @@ rank, is one such file)::
     MAGIC (8) | version u32 LE | header_len u64 LE | header (header_len bytes)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
 
-    header (versions 3, 4) = counts u64[4] | tensor table | dims int64[] | storage table
+    header (versions 3 to 5) = counts u64[4] | tensor table | dims int64[] | storage table
                              | JSON tree (ASCII, padded with spaces where needed)
 
 The body holds each distinct storage's raw bytes once, in plan order, each segment starting
@@ -14,8 +14,9 @@ at the first 64-byte boundary after the previous one, gaps zero, nothing after t
 The header says how to view those storages as tensors (a binary table of fixed-size
 records, one per tensor and one per storage) and how to rebuild the tree (JSON that refers
 to tensors by index; from version 4 a dict of tensors met there first, in a row, names only
-the first).  Versions 1 and 2 kept the tables in the JSON, version 3 wrote no tensor runs;
-they are all still read.
+the first; version 5 is padded for a parse bound that counts everything a load allocates).
+Versions 1 and 2 kept the tables in the JSON, version 3 wrote no tensor runs, version 4
+was padded for a looser bound; they are all still read.
 See ``docs/format.md`` for the schema.
 
 This module is the format's façade: it turns a staged tree into :class:`Encoded` (a prefix
@@ -37,9 +38,10 @@ Invariants:
   every storage's crc32c is verified before any tensor is returned.  Each violation raises
   :class:`IntegrityError`; a wrong tensor is never returned.
 * Parsing is bounded before it starts: a count of the header's tokens bounds what the parse
-  can allocate (:func:`_parse_cost`, plus a fixed cost a table record), a header that could
-  need more than :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder
-  pads a header with spaces where it would not fit.
+  can allocate (:func:`_parse_cost`, plus a fixed cost a table record and the structure's
+  charges, all from :data:`astage._parse_bound.NODE_COSTS`), a header that could need more
+  than :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder counts the
+  same charges and pads a header with spaces where it would not fit.
 * Encoding is faithful or fails: aliasing and object identity survive the round trip, leaves
   come back with their type and value (numpy scalars bit for bit, ``-0.0`` too), and a value the
   format cannot hold raises :class:`UnsupportedInputError` naming its key path.
