@@ -6,7 +6,7 @@ rank, is one such file)::
     MAGIC (8) | version u32 LE | header_len u64 LE | header (header_len bytes)
     | crc32c u32 LE of everything before it | zero padding to a 64-byte boundary | body
 
-    header (versions 3, 4) = counts u64[4] | tensor table | dims int64[] | storage table
+    header (versions 3 to 5) = counts u64[4] | tensor table | dims int64[] | storage table
                              | JSON tree (ASCII, padded with spaces where needed)
 
 The body holds each distinct storage's raw bytes once, in plan order, each segment starting
@@ -14,8 +14,9 @@ at the first 64-byte boundary after the previous one, gaps zero, nothing after t
 The header says how to view those storages as tensors (a binary table of fixed-size
 records, one per tensor and one per storage) and how to rebuild the tree (JSON that refers
 to tensors by index; from version 4 a dict of tensors met there first, in a row, names only
-the first).  Versions 1 and 2 kept the tables in the JSON, version 3 wrote no tensor runs;
-they are all still read.
+the first; version 5 is padded for a parse bound that counts everything a load allocates).
+Versions 1 and 2 kept the tables in the JSON, version 3 wrote no tensor runs, version 4
+was padded for a looser bound; they are all still read.
 See ``docs/format.md`` for the schema.
 
 This module is the format's façade: it turns a staged tree into :class:`Encoded` (a prefix
@@ -37,9 +38,10 @@ Invariants:
   every storage's crc32c is verified before any tensor is returned.  Each violation raises
   :class:`IntegrityError`; a wrong tensor is never returned.
 * Parsing is bounded before it starts: a count of the header's tokens bounds what the parse
-  can allocate (:func:`_parse_cost`, plus a fixed cost a table record), a header that could
-  need more than :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder
-  pads a header with spaces where it would not fit.
+  can allocate (:func:`_parse_cost`, plus a fixed cost a table record and the structure's
+  charges, all from :data:`astage._parse_bound.NODE_COSTS`), a header that could need more
+  than :data:`PARSE_AMPLIFICATION` times its length is refused, and the encoder counts the
+  same charges and pads a header with spaces where it would not fit.
 * Encoding is faithful or fails: aliasing and object identity survive the round trip, leaves
   come back with their type and value (numpy scalars bit for bit, ``-0.0`` too), and a value the
   format cannot hold raises :class:`UnsupportedInputError` naming its key path.
@@ -105,6 +107,7 @@ from ._parse_bound import (
     _text_tokens,
     _Tokens,
     _unpadded_len,
+    note_cost,
 )
 from ._plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from ._rebuild import rebuild
@@ -411,9 +414,8 @@ class FileLayout:
         members = self._members()
         text = b"".join([members, self.tree_json.encode("ascii"), b"}"])
         cost = _joined_cost([_text_tokens(members), self.tree_tokens], len(text))
-        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
         binary = [counts, self.tables, storages.tobytes()]
-        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), charged)
+        return [*binary, text], _padding(len(text), cost, sum(map(len, binary)), self._charged())
 
     def header_nbytes(self) -> int:
         """The length of the header :meth:`header_parts` makes, padding included, without
@@ -421,9 +423,12 @@ class FileLayout:
         members = self._members()
         text_len = len(members) + len(self.tree_json) + 1
         cost = _joined_cost([_text_tokens(members), self.tree_tokens], text_len)
-        charged = self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
         binary_len = _COUNTS.size + len(self.tables) + self.storage_table.nbytes
-        return binary_len + text_len + _padding(text_len, cost, binary_len, charged)
+        return binary_len + text_len + _padding(text_len, cost, binary_len, self._charged())
+
+    def _charged(self) -> int:
+        """What a reader charges beyond the text's tokens: the tables and the structure."""
+        return self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
 
     def _members(self) -> bytes:
         """The header JSON's metadata members, up to the comma before the tree's: joined
@@ -490,13 +495,17 @@ def iter_lay_out(
     end = offset_list[-1] + nbytes[-1] if nbytes else 0
     del offsets, padded
     yield
-    dtensors = []
+    dtensors: list[list[Any]] = []
+    charged = tree_encoder.charged
     if TensorKind.DTENSOR in map(_kind_of, plan.tensors):
-        dtensors = [
-            [i, repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)]
-            for i, spec in enumerate(plan.tensors)
-            if spec.kind is TensorKind.DTENSOR
-        ]
+        for i, spec in enumerate(plan.tensors):
+            if spec.kind is TensorKind.DTENSOR:
+                placements, shape = repr(tuple(spec.dtensor_spec.placements)), list(spec.dtensor_spec.shape)
+                dtensors.append([i, placements, shape])
+                # A reader charges each note as it meets it: the header pays for it.
+                charged += note_cost(placements, len(shape))
+            if slice_over():
+                yield
     yield
     tree_json = (yield from iter_json_text({"dtensors": dtensors, "tree": tree}))[1:-1]
     yield
@@ -528,7 +537,7 @@ def iter_lay_out(
         offsets=tuple(offset_list),
         nbytes=tuple(nbytes),
         body_nbytes=end,
-        charged=tree_encoder.charged,
+        charged=charged,
         tree_tokens=tree_tokens,
         storage_table=storage_table,
     )

@@ -20,22 +20,24 @@ import torch
 
 from ._errors import IntegrityError
 from ._limits import INT64 as _INT64
-from ._plan import StagePlan
+from ._plan import StagePlan, TensorKind
 
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every checkpoint file."""
 
-FORMAT_VERSION: Final = 4
+FORMAT_VERSION: Final = 5
 """The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
 version 3 the binary tensor and storage tables, version 4 the tensor runs of the tree: a
-dict whose values are tensors met there first, numbered in a row, names only the first)."""
+dict whose values are tensors met there first, numbered in a row, names only the first;
+version 5 is laid out as 4, padded for a parse bound that counts the header a reader
+holds and the measured costs of :data:`astage._parse_bound.NODE_COSTS`)."""
 
-READ_VERSIONS: Final = frozenset({1, 2, 3, 4})
+READ_VERSIONS: Final = frozenset({1, 2, 3, 4, 5})
 """The versions this module reads.  The binary version sets the parse bound
-(:data:`PARSE_AMPLIFICATION`: version 2 to 4 headers are padded to it where needed), the
-header's layout (from 3: binary tables) and, from 3, the nodes the tree may use (4: tensor
-runs); in versions 1 and 2 the header's ``format`` field says which nodes may appear: a
-format-1 header may use only format-1 nodes."""
+(:data:`PARSE_AMPLIFICATION`: version 2 to 5 headers are padded to it where needed, 5 with
+the header itself counted), the header's layout (from 3: binary tables) and, from 3, the
+nodes the tree may use (from 4: tensor runs); in versions 1 and 2 the header's ``format``
+field says which nodes may appear: a format-1 header may use only format-1 nodes."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""
@@ -92,6 +94,61 @@ DTYPES: Final[Mapping[str, torch.dtype]] = {
 }
 """The dtype allow-list: header names to torch dtypes.  Nothing else is read or written."""
 
+FLAG_REQUIRES_GRAD: Final = 1
+FLAG_CONJ: Final = 2
+FLAG_NEG: Final = 4
+FLAG_NAMES: Final[Mapping[int, str]] = {
+    FLAG_REQUIRES_GRAD: "requires_grad",
+    FLAG_CONJ: "a conjugate bit",
+    FLAG_NEG: "a negative bit",
+}
+"""The flags a file keeps for a tensor (version 3's flag bits; before, only
+``requires_grad``), and how a message names each."""
+
+
+def allowed_flags(dtype: torch.dtype) -> int:
+    """The flag bits a tensor of ``dtype`` may carry in a file: the one rule the encoder
+    refuses by and the reader checks by, the flags torch itself lets such a tensor carry.
+
+    Torch keeps a lazy negation on a tensor of any dtype (``torch._neg_view``; copying one
+    negated view into another copies the bits as they are) and rebuilds it with the same
+    call; a conjugate bit only on a complex tensor; ``requires_grad`` only on a floating or
+    complex one.
+    """
+    flags = FLAG_NEG
+    if dtype.is_floating_point or dtype.is_complex:
+        flags |= FLAG_REQUIRES_GRAD
+    if dtype.is_complex:
+        flags |= FLAG_CONJ
+    return flags
+
+
+def flag_bits(requires_grad: bool, conj: bool, neg: bool) -> int:
+    """A tensor's flags as bits."""
+    return FLAG_REQUIRES_GRAD * requires_grad | FLAG_CONJ * conj | FLAG_NEG * neg
+
+
+def tensor_refused(dtype: torch.dtype, kind: TensorKind, flags: int) -> str | None:
+    """Why a file cannot hold a tensor of ``dtype``, ``kind`` and ``flags``, or ``None``.
+
+    The one rule for a tensor's record: the encoder refuses by it (naming the key path)
+    and the reader's table check is a lookup table made from it, so what one accepts the
+    other does.  A DTensor is stored as its local tensor (kind ``tensor``).
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        return f"dtype {dtype} is not in the checkpoint file format's allow-list"
+    refused = flags & ~allowed_flags(dtype)
+    if refused:
+        names = " and ".join(what for bit, what in FLAG_NAMES.items() if refused & bit)
+        return f"a {name} tensor cannot carry {names}"
+    if kind is TensorKind.NDARRAY and (name not in NUMPY_DTYPES or flags):
+        return "an ndarray needs a numpy dtype and no flags"
+    if kind is TensorKind.BYTESIO and (name != "uint8" or flags):
+        return "a bytesio entry is uint8 bytes with no flags"
+    return None
+
+
 NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
     name: np.dtype(name)
     for name in (
@@ -102,6 +159,7 @@ NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = {
 """numpy dtypes of the arrays and scalars a checkpoint file holds (each is also a torch dtype)."""
 
 _NUMPY_NAMES: Final = {(dt.kind, dt.itemsize): name for name, dt in NUMPY_DTYPES.items()}
+_DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 
 
 # -- data ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from ._format_spec import (
     _NUMPY_NAMES,
     _TORCH_DTYPE_LEAVES,
     DTYPES,
+    FLAG_REQUIRES_GRAD,
     MAX_DEPTH,
     MAX_NDIM,
     NUMPY_DTYPES,
@@ -42,10 +43,12 @@ from ._format_spec import (
     Segments,
     _align,
     _fail,
+    flag_bits,
+    tensor_refused,
 )
 from ._limits import INT64 as _INT64
 from ._limits import RANK_LIMIT as _RANK_LIMIT
-from ._parse_bound import _COST_NAMEDTUPLE, _COST_PATH
+from ._parse_bound import container_cost, namedtuple_cost, note_cost, path_cost
 from ._plan import (
     AtomNode,
     CopyNode,
@@ -63,6 +66,7 @@ from ._plan import (
 )
 from ._slices import Steps, slice_over
 from ._tensor_table import (
+    _any_refused,
     _check_tensor_table,
     _new_tuple,
     _numel_overflows,
@@ -238,7 +242,7 @@ class _TreeEncoder:
     def tensor(self, index: int, path: KeyPath) -> list[Any]:
         if index not in self.seen:
             self.seen.add(index)
-            self.charged += _COST_PATH + 8 * len(path)
+            self.charged += path_cost(len(path))
             self._check_tensor(self.plan.tensors[index], path)
         return ["tensor", index]
 
@@ -261,7 +265,7 @@ class _TreeEncoder:
             for key, position in zip(keys, range(first, end), strict=True):
                 self._check_tensor(specs[position], (*path, key))
         seen.update(range(first, end))
-        self.charged += len(nodes) * (_COST_PATH + 8 * (len(path) + 1))
+        self.charged += len(nodes) * path_cost(len(path) + 1)
         return first
 
     def children(
@@ -273,7 +277,7 @@ class _TreeEncoder:
         append = out.append
         seen = self.seen
         storable = self.storable
-        fresh = _COST_PATH + 8 * (len(path) + 1)  # a child's key path, charged by a reader
+        fresh = path_cost(len(path) + 1)  # a child's key path, charged by a reader
         for key, child in zip(keys, nodes, strict=True):
             if type(child) is TensorNode:
                 position = child.position
@@ -306,7 +310,9 @@ class _TreeEncoder:
         return json_keys
 
     def _done(self, memo: int) -> None:
+        """A container written: numbered as a reader numbers it, and charged as it charges it."""
         self.memo[memo] = len(self.memo)
+        self.charged += _CONTAINER_COST
 
     @staticmethod
     def _check_depth(path: KeyPath, depth: int) -> None:
@@ -322,16 +328,15 @@ class _TreeEncoder:
                     path, f"{cls.__qualname__} cannot be stored in a checkpoint file: {exc}"
                 ) from exc
             self.namedtuples.add((cls.__name__, fields))
-            self.charged += _COST_NAMEDTUPLE + 256 * len(fields)
+            self.charged += namedtuple_cost(cls.__name__, fields)
         if arity != len(fields):
             raise UnsupportedInputError(path, f"{cls.__qualname__} holds {arity} items, {len(fields)} fields")
 
     @staticmethod
     def _check_tensor(spec: TensorSpec, path: KeyPath) -> None:
-        if spec.dtype not in _DTYPE_NAMES:
-            raise UnsupportedInputError(
-                path, f"dtype {spec.dtype} is not in the checkpoint file format's allow-list"
-            )
+        why = tensor_refused(spec.dtype, spec.kind, flag_bits(spec.requires_grad, spec.conj, spec.neg))
+        if why is not None:
+            raise UnsupportedInputError(path, f"cannot be stored in a checkpoint file: {why}")
         if len(spec.size) > MAX_NDIM:
             raise UnsupportedInputError(
                 path, f"{len(spec.size)} dimensions, the checkpoint file format holds at most {MAX_NDIM}"
@@ -343,6 +348,7 @@ class _TreeEncoder:
 
 
 _position = attrgetter("position")
+_CONTAINER_COST: Final = container_cost()
 
 
 def json_text(value: Any) -> str:
@@ -497,6 +503,7 @@ def _all_storable(specs: Sequence[TensorSpec]) -> bool:
         set(map(attrgetter("dtype"), specs)) <= _DTYPE_NAMES.keys()
         and max(map(len, map(attrgetter("size"), specs)), default=0) <= MAX_NDIM
         and list(map(attrgetter("attrs"), specs)).count(None) == len(specs)
+        and not _any_refused(specs)
     )
 
 
@@ -595,6 +602,8 @@ class _HeaderParser:
         self.prefix_len = prefix_len
         self.version = version
         self.budget = budget  # see _parse_cost
+        self.bound_version = version  # the binary version: it says what the padding paid for
+        self.container_cost = container_cost(version)
         self.tables = tables
         self.containers = 0
         self.paths: list[KeyPath | None] = []
@@ -689,7 +698,7 @@ class _HeaderParser:
             if type(placements) is not str:
                 raise _fail("dtensors", "placements must be a str")
             notes[index] = DTensorNote(placements, _dims(global_shape, "dtensors", "global_shape"))
-            self.charge(_COST_PATH + 8 * len(global_shape) + len(placements))
+            self.charge(note_cost(placements, len(global_shape), self.bound_version))
             last = index
         return tuple(notes)
 
@@ -753,8 +762,9 @@ class _HeaderParser:
             raise _fail(where, f"kind must be one of {sorted(_KINDS)}, got {kind!r:.40}")
         if type(requires_grad) is not bool:
             raise _fail(where, "requires_grad must be a bool")
-        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
-            raise _fail(where, f"a {dtype_name} tensor cannot require grad")
+        why = tensor_refused(dtype, TensorKind.TENSOR, FLAG_REQUIRES_GRAD * requires_grad)
+        if why is not None:
+            raise _fail(where, why)
         if tensor_kind in _V2_KINDS and self.version < 2:
             raise _fail(where, f"kind {kind} needs format version 2")
         if tensor_kind is TensorKind.NDARRAY and (
@@ -807,7 +817,7 @@ class _HeaderParser:
             index = raw[1]
             if self.paths[index] is None:
                 self.paths[index] = path
-                self.charge(_COST_PATH + 8 * len(path))
+                self.charge(path_cost(len(path)))
             return TensorNode(index)
         where = _where(path)
         if tag == "ref":
@@ -844,6 +854,7 @@ class _HeaderParser:
             node = SeqNode(self.containers, self.namedtuple(typename, fields, where), nodes, None, ())
         else:
             raise _fail(where, f"unknown or malformed node {raw!r:.80}")
+        self.charge(self.container_cost)
         self.containers += 1
         return node
 
@@ -866,7 +877,7 @@ class _HeaderParser:
             return None
         # Its nodes are shared (tensor_nodes); where made anew, each tensor's table charge
         # covers its node (tests/test_format.py measures the densest runs).
-        self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
+        self.charge(count * path_cost(len(path) + 1))
         # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
         paths[first : first + count] = zip(*map(repeat, path), keys, strict=False)
         return tensor_nodes(first, first + count)
@@ -902,7 +913,7 @@ class _HeaderParser:
             return self.take_run(keys, first, count, path)
         if not self.claim(indices):
             return None
-        self.charge(count * (_COST_PATH + 8 * (len(path) + 1)))
+        self.charge(count * path_cost(len(path) + 1))
         # Each key path is one tuple, made by zip: the path's keys repeated, then the key.
         children = zip(*map(repeat, path), keys, strict=False)  # the repeats are endless
         paths = self.paths
@@ -927,7 +938,7 @@ class _HeaderParser:
         append = out.append
         paths = self.paths
         count = len(paths)
-        cost = _COST_PATH + 8 * (len(path) + 1)  # a child's key path: one key more
+        cost = path_cost(len(path) + 1)  # a child's key path: one key more
         budget = self.budget
         for key, raw in zip(keys, raws, strict=True):
             if type(raw) is list and len(raw) == 2 and raw[0] == "tensor" and type(raw[1]) is int:
@@ -962,7 +973,7 @@ class _HeaderParser:
         if known is not None:
             return known
         try:
-            self.charge(_COST_NAMEDTUPLE + 256 * len(fields))
+            self.charge(namedtuple_cost(typename, fields, self.bound_version))
             made = _namedtuple_class(typename, fields)
         except (ValueError, TypeError) as exc:
             raise _fail(where, f"invalid namedtuple: {exc}") from exc

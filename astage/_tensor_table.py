@@ -20,7 +20,18 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from ._errors import KeyPath
-from ._format_spec import ALIGNMENT, DTYPES, MAX_NDIM, NUMPY_DTYPES, Segment, Segments, _fail
+from ._format_spec import (
+    ALIGNMENT,
+    DTYPES,
+    FLAG_CONJ,
+    FLAG_NEG,
+    FLAG_REQUIRES_GRAD,
+    MAX_NDIM,
+    Segment,
+    Segments,
+    _fail,
+    tensor_refused,
+)
 from ._limits import INT64 as _INT64
 from ._plan import TensorKind, TensorNode, TensorSpec
 
@@ -49,18 +60,12 @@ STORAGE_RECORD: Final = np.dtype(
 """One storage of a version-3 header (24 bytes, little-endian): where its bytes lie in the
 body and their crc32c; ``reserved`` is zero."""
 
-FLAG_REQUIRES_GRAD: Final = 1
-FLAG_CONJ: Final = 2
-FLAG_NEG: Final = 4
 _FLAGS: Final = FLAG_REQUIRES_GRAD | FLAG_CONJ | FLAG_NEG
 
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES)}
 _CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
 _CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
-_CODE_FLOATING: Final = np.array([d.is_floating_point or d.is_complex for d in _CODE_DTYPES])
-_CODE_COMPLEX: Final = np.array([d.is_complex for d in _CODE_DTYPES])
-_CODE_NUMPY: Final = np.array([name in NUMPY_DTYPES for name in DTYPE_CODES])
 _KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY, TensorKind.BYTESIO)
 """Version 3's kind codes (a DTensor is stored as its local tensor, code 0).  Append only."""
 _KIND_CODE: Final = {
@@ -70,7 +75,6 @@ _KIND_CODE: Final = {
     TensorKind.DTENSOR: 0,
     TensorKind.BYTESIO: 3,
 }
-_UINT8_CODE: Final = DTYPE_CODES.index("uint8")
 
 
 def _objects(values: Sequence[Any]) -> np.ndarray[Any, Any]:
@@ -81,6 +85,17 @@ def _objects(values: Sequence[Any]) -> np.ndarray[Any, Any]:
     return out
 
 
+_REFUSED: Final = np.array(
+    [
+        [
+            [tensor_refused(dtype, kind, flags) is not None for flags in range(_FLAGS + 1)]
+            for kind in _KIND_CODES
+        ]
+        for dtype in _CODE_DTYPES
+    ]
+)
+"""``_REFUSED[dtype code, kind code, flags]``: whether :func:`astage._format_spec.tensor_refused`
+refuses that record; both sides' checks, a column at a time."""
 _CODE_DTYPE_OBJECTS: Final = _objects(_CODE_DTYPES)
 _KIND_OBJECTS: Final = _objects(_KIND_CODES)
 _new_tuple: Final = tuple.__new__
@@ -112,13 +127,33 @@ def _tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np
     table["dtype"] = list(map(_DTYPE_CODE.__getitem__, dtype))
     table["ndim"] = ndims = list(map(len, size))
     table["kind"] = list(map(_KIND_CODE.__getitem__, kind))
-    flags = np.array(requires_grad, np.uint8) * FLAG_REQUIRES_GRAD
-    flags |= np.array(conj, np.uint8) * FLAG_CONJ
-    flags |= np.array(neg, np.uint8) * FLAG_NEG
-    table["flags"] = flags
+    table["flags"] = _flag_column(requires_grad, conj, neg)
     table["offset"] = offset
     dims = np.fromiter(itertools.chain.from_iterable(map(tuple.__add__, size, stride)), "<i8", 2 * sum(ndims))
     return table, dims
+
+
+def _flag_column(
+    requires_grad: Sequence[bool], conj: Sequence[bool], neg: Sequence[bool]
+) -> np.ndarray[Any, Any]:
+    """The flag bits of tensors given as three columns (:func:`astage._format_spec.flag_bits`)."""
+    flags = np.array(requires_grad, np.uint8) * FLAG_REQUIRES_GRAD
+    flags |= np.array(conj, np.uint8) * FLAG_CONJ
+    flags |= np.array(neg, np.uint8) * FLAG_NEG
+    return flags
+
+
+def _any_refused(specs: Sequence[Any]) -> bool:
+    """Whether :func:`astage._format_spec.tensor_refused` refuses a tensor among ``specs``
+    (checked a column at a time)."""
+    if not specs:
+        return False
+    _, _, dtype, _, _, _, kind, requires_grad, conj, neg, *_ = zip(*specs, strict=True)
+    if not set(dtype) <= _DTYPE_CODE.keys():
+        return True
+    codes = np.fromiter(map(_DTYPE_CODE.__getitem__, dtype), np.int64, len(specs))
+    kinds = np.fromiter(map(_KIND_CODE.__getitem__, kind), np.int64, len(specs))
+    return bool(_REFUSED[codes, kinds, _flag_column(requires_grad, conj, neg)].any())
 
 
 class _Tables(NamedTuple):
@@ -244,19 +279,14 @@ def _check_codes(records: np.ndarray[Any, Any], dims: np.ndarray[Any, Any], nsto
         raise _fail("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
     if (dims < 0).any():
         raise _fail("dims", "a negative size or stride")
-    floating = _CODE_FLOATING[code]
-    for bad, what in (
-        ((flags & FLAG_REQUIRES_GRAD != 0) & ~floating, "only floating or complex tensors require grad"),
-        ((flags & FLAG_CONJ != 0) & ~_CODE_COMPLEX[code], "only complex tensors have a conjugate bit"),
-        ((flags & FLAG_NEG != 0) & ~floating, "only floating or complex tensors have a negative bit"),
-        ((kind == 2) & (~_CODE_NUMPY[code] | (flags != 0)), "an ndarray needs a numpy dtype and no flags"),
-        (
-            (kind == 3) & ((code != _UINT8_CODE) | (ndim != 1) | (flags != 0)),
-            "kind bytesio needs one uint8 dimension and no flags",
-        ),
-    ):
-        if bad.any():
-            raise _fail(f"tensors[{_first(bad)}]", what)
+    refused = _REFUSED[code, kind, flags]
+    if refused.any():
+        i = _first(refused)
+        why = tensor_refused(_CODE_DTYPES[int(code[i])], _KIND_CODES[int(kind[i])], int(flags[i]))
+        raise _fail(f"tensors[{i}]", str(why))
+    flat = (kind == _KIND_CODE[TensorKind.BYTESIO]) & (ndim != 1)
+    if flat.any():
+        raise _fail(f"tensors[{_first(flat)}]", "a bytesio entry has exactly one dimension")
 
 
 def _check_extents(
@@ -373,37 +403,55 @@ def _shapes(columns: _Columns) -> tuple[list[tuple[int, ...]], list[tuple[int, .
     once the parse is over, and less memory.
     """
     count = len(columns.ndim)
-    ndims = np.unique(columns.ndim).tolist()
+    ndims = np.flatnonzero(np.bincount(columns.ndim)).tolist()
     sizes = np.empty(count, object)
     strides = np.empty(count, object)
     for ndim in ndims:
-        which = np.flatnonzero(columns.ndim == ndim) if len(ndims) > 1 else np.arange(count)
+        which = np.flatnonzero(columns.ndim == ndim) if len(ndims) > 1 else slice(None)
         block = columns.dims[columns.starts[which, None] + np.arange(2 * ndim)]
-        size_rows, stride_rows = _rows(block[:, :ndim]), _rows(block[:, ndim:])
-        if len(ndims) == 1:
-            return size_rows, stride_rows
-        sizes[which] = np.fromiter(size_rows, object, len(which))
-        strides[which] = np.fromiter(stride_rows, object, len(which))
+        sizes[which] = _rows(block[:, :ndim])
+        strides[which] = _rows(block[:, ndim:])
+        del block
     return sizes.tolist(), strides.tolist()
 
 
-def _rows(block: np.ndarray[Any, Any]) -> list[tuple[int, ...]]:
-    """The rows of a non-empty 2-D block of non-negative int64s as tuples, equal rows one tuple.
+def _rows(block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The rows of a non-empty 2-D block of non-negative int64s as tuples, in an object
+    array, equal rows one tuple.
 
-    Each row is numbered by its digits in base (largest entry + 1) where that fits in int64,
-    and a tuple is made per distinct number: a dict lookup a row (one Python int), not a
-    tuple made and hashed a row.  Otherwise the rows are made and then shared.
+    The rows are numbered with numpy (each by its digits in base largest entry + 1 where
+    that fits in int64, else compared whole), a tuple is made per distinct row and the
+    array gathered from them: no Python object a row but its tuple, where a dict or set of
+    the rows' numbers cost ~300 bytes a row more at the parse's peak (90,000 tensors of
+    distinct strides: its charge did not cover that).
     """
     count, width = block.shape
     if width == 0:
-        return [()] * count
+        empty = np.empty(count, object)
+        empty.fill(())
+        return empty
     base = int(block.max()) + 1
-    if base**width >= _INT64:
-        rows = list(zip(*block.T.tolist(), strict=True))
-        return list(map(dict[tuple[int, ...], tuple[int, ...]]().setdefault, rows, rows))
-    weights = base ** np.arange(width, dtype=np.int64)
-    numbers = (block @ weights).tolist()
-    distinct = np.array(list(set(numbers)), np.int64)
-    digits = (distinct[:, None] // weights) % base
-    known = dict(zip(distinct.tolist(), map(tuple, digits.tolist()), strict=True))
-    return list(map(known.__getitem__, numbers))
+    if base**width < _INT64:  # one int64 a row: sorted as one column
+        weights = base ** np.arange(width, dtype=np.int64)
+        numbers, inverse = _distinct((block @ weights)[:, None])
+        distinct = (numbers[:, 0, None] // weights) % base
+        del numbers
+    else:
+        distinct, inverse = _distinct(block)
+    tuples = np.fromiter(map(tuple, distinct.tolist()), object, len(distinct))
+    del distinct
+    out: np.ndarray[Any, Any] = tuples[inverse]
+    return out
+
+
+def _distinct(block: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The distinct rows of a non-empty 2-D int64 block, and for each row the index of its
+    own among them.  (Not ``np.unique``: it imports ``numpy.ma`` on first use, and a
+    loader imports nothing.)"""
+    order = np.lexsort(block.T[::-1])
+    rows = block[order]
+    first = np.ones(len(rows), bool)
+    first[1:] = (rows[1:] != rows[:-1]).any(axis=1)
+    inverse = np.empty(len(rows), np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return rows[first], inverse

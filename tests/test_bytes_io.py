@@ -266,8 +266,8 @@ _BYTESIO_STATE = {"blob": io.BytesIO(b"0123456789abcdef"), "t": torch.zeros(2)}
 @pytest.mark.parametrize(
     ("edit", "fragment"),
     [
-        (_set(_T, 1, "kind", 3), "kind bytesio"),  # the float32 tensor as a bytesio
-        (_set(_T, 0, "flags", 1), "require grad"),
+        (_set(_T, 1, "kind", 3), "bytesio entry is uint8"),  # the float32 tensor as a bytesio
+        (_set(_T, 0, "flags", 1), "cannot carry requires_grad"),
         (_set(_T, 0, "kind", 4), "kind code"),
     ],
     ids=["float32 as a bytesio", "bytesio requiring grad", "unknown kind code"],

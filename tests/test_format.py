@@ -698,8 +698,8 @@ def test_wrong_magic_and_version_are_named() -> None:
     data = replica_bytes(SMALL)
     with pytest.raises(astage.IntegrityError, match="magic"):
         parse_prefix(b"PK\x03\x04" + data[4:])
-    with pytest.raises(astage.IntegrityError, match="version 5"):
-        parse_prefix(data[:8] + struct.pack("<I", 5) + data[12:])
+    with pytest.raises(astage.IntegrityError, match="version 6"):
+        parse_prefix(data[:8] + struct.pack("<I", 6) + data[12:])
     with pytest.raises(astage.IntegrityError, match="version 0"):
         parse_prefix(data[:8] + struct.pack("<I", 0) + data[12:])
 
@@ -929,12 +929,12 @@ _HOSTILE_TABLES: dict[str, tuple[_Edit, str]] = {
     "dtype code": (_set(_T, 0, "dtype", 255), "dtype code"),
     "ndim over the cap": (_set(_T, 0, "ndim", MAX_NDIM + 1), "dimensions"),
     "ndim off the dims": (_set(_T, 0, "ndim", 1), "dims"),
-    "kind code": (_set(_T, 0, "kind", 3), "kind"),
+    "kind code": (_set(_T, 0, "kind", 4), "kind"),
+    "float32 as bytesio": (_set(_T, 0, "kind", 3), "bytesio entry is uint8"),
     "unknown flag": (_set(_T, 0, "flags", 8), "flag"),
     "negative offset": (_set(_T, 0, "offset", -1), "negative"),
-    "int8 requiring grad": (_set(_T, 1, "flags", 1), "require grad"),
-    "float32 with a conjugate bit": (_set(_T, 0, "flags", 2), "conjugate"),
-    "int8 with a negative bit": (_set(_T, 1, "flags", 4), "negative bit"),
+    "int8 requiring grad": (_set(_T, 1, "flags", 1), "int8 tensor cannot carry requires_grad"),
+    "float32 with a conjugate bit": (_set(_T, 0, "flags", 2), "float32 tensor cannot carry a conjugate bit"),
     "int8 as an ndarray with grad": (_set(_T, 1, "kind", 2), "ndarray"),  # flags 0: int8 is fine...
     "negative size": (_set(_D, 0, None, -2), "negative"),
     "size past its storage": (_set(_D, 0, None, 3), "past its"),

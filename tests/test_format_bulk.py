@@ -146,7 +146,7 @@ def test_a_container_of_tensor_references_parses_in_bulk_as_child_by_child(
 def test_rows_are_the_blocks_rows_equal_ones_shared(count: int, width: int, top: int, rng: Any) -> None:
     block = np.array([[rng.randrange(top) for _ in range(width)] for _ in range(count)], np.int64)
     block = block.reshape(count, width)
-    rows = _rows(block)
+    rows = _rows(block).tolist()
     assert rows == [tuple(row) for row in block.tolist()]
     assert all(type(row) is tuple for row in rows)
     assert len({id(row) for row in rows}) == len(set(rows))

@@ -110,8 +110,8 @@ def test_a_changed_structure_is_parsed_in_full(change: str) -> None:
 HOSTILE_META: dict[str, tuple[bytes, bytes]] = {
     "owner rank": (b'"owner_rank":1,', b'"owner_rank":-1,'),
     "created not a float": (b'"created":1.5,', b'"created":2,'),
-    "format": (b'"format":4,', b'"format":3,'),
-    "format as a float": (b'"format":4,', b'"format":4.0,'),
+    "format": (b'"format":5,', b'"format":4,'),
+    "format as a float": (b'"format":5,', b'"format":5.0,'),
     "holder rank": (b'"holder_rank":null,', b'"holder_rank":"0",'),
     "duplicate meta key": (b'"step":2,', b'"step":2,"step":3,'),
     "unknown meta key": (b'"step":2,', b'"step":2,"extra":0,'),

@@ -170,8 +170,8 @@ def test_headers_say_the_current_format_whatever_the_tree_holds() -> None:
     for state in ({"w": torch.ones(2), "lr": 0.1}, {"w": np.ones(2), "shape": torch.Size([2])}):
         data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
         header = parse_prefix(data)
-        assert header.version == FORMAT_VERSION == 4
-        assert b'{"format":4,' in data[: header.prefix_nbytes]
+        assert header.version == FORMAT_VERSION == 5
+        assert b'{"format":5,' in data[: header.prefix_nbytes]
 
 
 def test_a_dict_of_fresh_tensors_is_one_run_in_version_4() -> None:
@@ -373,9 +373,9 @@ def test_version_3_files_still_load(tmp_path: Path) -> None:
     assert state["t"].untyped_storage().data_ptr() == state["w"].untyped_storage().data_ptr()
     assert state["mixed"]["p"].tolist() == [7]
     assert state["mixed"]["lr"] == 0.25
-    # The same state written now is version 4, with runs, and reads back the same.
+    # The same state written now is version 5, with runs, and reads back the same.
     data = b"".join(encode(state, owner_rank=3, step=7, checkpoint_id="v3").buffers())
-    assert parse_prefix(data).version == 4
+    assert parse_prefix(data).version == 5
     assert b'["dict",["a","b","c"],0]' in data
     back = round_trip(state)
     assert [t.tolist() for t in back["layer"].values()] == [[1.0, 2.0], [3.0], [True, False]]
