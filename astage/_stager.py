@@ -33,6 +33,7 @@ import logging
 import operator
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol, Self, cast, runtime_checkable
@@ -231,6 +232,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._spare: _Spare | None = None
         self._last: _Filled | None = None
         self._released: _Released | None = None
+        # With skip_unchanged, the source storages the plan was made of, kept alive: the
+        # re-check compares storages by their StorageImpl's address, which only means "the
+        # same storage" while that storage cannot be freed and its address taken by another.
+        self._plan_storages: tuple[torch.UntypedStorage, ...] = ()
 
     # -- lifecycle (``async with`` comes from AsyncResource: it calls aclose) ---------------
 
@@ -253,7 +258,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             return
         with self._one_loop("aclose()"):
             self._closed = True
-            self._forget_plan()
+            await self._forget_plan()
             # Closing the pool first wakes every waiter; waiting for in-flight stages first
             # hung forever when one waited for room that only its caller could free (issue 9).
             await self._pool.aclose()
@@ -361,7 +366,7 @@ class DefaultStager(anyio.abc.AsyncResource):
     async def _stage_first(self, state_dict: Any, started: float) -> tuple[Any, StageStats]:
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
         plan first, whose buffers may be needed under the memory cap."""
-        self._forget_plan()
+        await self._forget_plan()
         # Everything planning makes lives as long as the plan: made in one collector pause
         # and promoted at its end (astage._gc), as is the new copy in _stage_new.
         with gc_paused():
@@ -371,6 +376,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
             fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout
+        if fast is not None and self._resolved.skip_unchanged:
+            self._plan_storages = source.storages
         return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 
     async def _stage_new(
@@ -431,7 +438,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         with anyio.CancelScope(shield=True):  # half handed out between its slices
             serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
-        self._remember(plan, serial, sources, seen, cast(list[torch.Tensor], rebuilder.tensors))
+            staged_tensors = cast(list[torch.Tensor], rebuilder.tensors)
+            await self._run(self._iter_remember(plan, serial, seen, staged_tensors), makes_tensors=False)
+            del staged_tensors
         stats = self._record(
             plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
         )
@@ -456,20 +465,22 @@ class DefaultStager(anyio.abc.AsyncResource):
             set_atoms(spare.tree, atoms, back + patches)
         except (LookupError, TypeError, AttributeError) as exc:
             log.warning("a released copy was changed after its release (%r); staging a new one", exc)
+            await self._drop(spare.tensors)
             spare = None
-            self._pool.reclaim()
             return await self._stage_new(plan, layout, sources, started, patches=(atoms, patches))
-        seen = self._see(sources)
-        skip = self._unchanged(spare, seen)
         try:
+            seen = self._see(sources)
+            skip = self._unchanged(spare, seen)
             await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip, spare.fast.storage_of)
         except BaseException as exc:
-            # The copy is half refilled: drop it (its buffers go back to the pool).
+            # The copy is half refilled: drop it, emptied, so that its buffers go back to
+            # the pool even while a caller's variable still names the released tree.
             traceback.clear_frames(exc.__traceback__)
+            await self._drop(spare.tensors)
             spare = None
-            self._pool.reclaim()
             raise
-        self._remember(plan, spare.serial, sources, seen, spare.tensors)
+        with anyio.CancelScope(shield=True):  # the copy is whole: return it
+            await self._run(self._iter_remember(plan, spare.serial, seen, spare.tensors), makes_tensors=False)
         stats = self._record(
             plan,
             0,
@@ -522,14 +533,32 @@ class DefaultStager(anyio.abc.AsyncResource):
 
     # -- re-use ---------------------------------------------------------------------------
 
-    def _forget_plan(self) -> None:
-        """Drop the cached plan, the copy kept for re-use and the record of the last stage."""
+    async def _forget_plan(self) -> None:
+        """Drop the cached plan, the copy kept for re-use (emptied) and the record of the last stage."""
         spare = self._spare
         self._fast = self._layout = self._spare = self._last = self._released = None
+        self._plan_storages = ()
         if spare is not None:
             self._pool.unkeep(spare.serial)
+            tensors = spare.tensors
             del spare
-            self._pool.reclaim()
+            await self._drop(tensors)
+
+    async def _drop(self, tensors: list[torch.Tensor]) -> None:
+        """Empty the tensors of a copy handed back to the stager that it will not return
+        (``set_()``, as :meth:`release` empties a copy it does not keep), and take its
+        buffers back.
+
+        A copy dropped unemptied holds its buffers for as long as anything references its
+        tree, and every ``staged = await stager.stage(sd) ... release(staged)`` loop does
+        until its next assignment: a stage waiting for room under ``max_staging_bytes``
+        then waited for ever.  Shielded: the copy is the stager's, and half emptied it
+        would still pin its other buffers.
+        """
+        with anyio.CancelScope(shield=True):
+            await self._run(_iter_empty(tensors))
+        del tensors
+        self._pool.reclaim()
 
     def _see(self, sources: list[torch.Tensor]) -> _Seen | None:
         """The sources' version counters and addresses, read before the copy (``skip_unchanged``).
@@ -541,34 +570,49 @@ class DefaultStager(anyio.abc.AsyncResource):
         """
         if not self._resolved.skip_unchanged:
             return None
-        return _Seen(list(map(_VERSION, sources)), list(map(torch.Tensor.data_ptr, sources)))
+        return _Seen(_versions(sources), list(map(_tensor_ptr, sources)))
 
-    def _remember(
-        self,
-        plan: StagePlan,
-        serial: int,
-        sources: list[torch.Tensor],
-        seen: _Seen | None,
-        staged: list[torch.Tensor],
-    ) -> None:
-        """Record what the copy ``serial`` (the pool's lease serial) now holds, for ``skip_unchanged``."""
+    def _iter_remember(
+        self, plan: StagePlan, serial: int, seen: _Seen | None, staged: list[torch.Tensor]
+    ) -> Steps[None]:
+        """Record what the copy ``serial`` (the pool's lease serial) now holds, for
+        ``skip_unchanged``: its staged tensors, by weak reference (a copy its holder drops
+        must come back to the pool), and their version counters."""
+        self._last = None
         if seen is None or self._fast is None or self._fast.plan is not plan:
             return
-        self._last = _Filled(serial, sources, seen, list(map(_VERSION, staged)))
+        refs: list[weakref.ref[torch.Tensor]] = []
+        versions: list[int] = []
+        for start in range(0, len(staged), _BLOCK):
+            block = staged[start : start + _BLOCK]
+            refs += map(weakref.ref, block)
+            versions += _versions(block)
+            if slice_over():
+                yield
+        self._last = _Filled(serial, seen, refs, versions)
 
     def _unchanged(self, spare: _Spare, seen: _Seen | None) -> set[int]:
         """Storages of ``spare`` that already hold what the sources ``seen`` hold (``skip_unchanged``).
 
-        Only for the copy the last stage filled, when none of its tensors was written since
-        (their version counters), and only storages whose every source tensor kept its
-        version counter value and address.  A counter at 0 is never trusted: a new counter
-        starts there (``.data``, ``torch.from_numpy``), so equal values would prove nothing.
+        Only for the copy the last stage filled, when its tensors are the very ones that
+        stage filled and none of them was written since (their version counters), and only
+        storages whose every source tensor kept its version counter value and address.
+        The sources' storages are those the plan was made of (the re-check compares them
+        by address, and the stager keeps them alive: :attr:`_plan_storages`), so an
+        address cannot have been freed and re-used by another storage in between.  A
+        counter at 0 is never trusted: a new counter starts there (``.data``,
+        ``torch.from_numpy``), so equal values would prove nothing; an inference tensor,
+        which has none, counts as 0.
         """
         last = self._last
         self._last = None
         if seen is None or last is None or last.serial != spare.serial:
             return set()
-        if list(map(_VERSION, spare.tensors)) != last.staged_versions:
+        if len(last.staged) != len(spare.tensors) or not all(
+            map(operator.is_, map(_deref, last.staged), spare.tensors)
+        ):
+            return set()  # a tensor of the copy was swapped: its counter is another one
+        if _versions(spare.tensors) != last.staged_versions or 0 in last.staged_versions:
             return set()
         storages = range(len(spare.fast.plan.storages))
         before = last.seen
@@ -692,7 +736,13 @@ class DefaultStager(anyio.abc.AsyncResource):
             # (kept, the copy would hold its bytes under the cap from them for ever).
             if fast is not None and self._spare is None and self._pool.retain and not self._pool.waiting:
                 spare = await run_steps(self._iter_spare(fast, staged))
-                if spare is not None and self._spare is None and self._fast is fast:
+                # (Checked again: a stage may have begun to wait for room meanwhile.)
+                if (
+                    spare is not None
+                    and self._spare is None
+                    and self._fast is fast
+                    and not self._pool.waiting
+                ):
                     self._spare = spare
                     self._pool.keep(spare.serial, fast.nbytes)
                     return
@@ -743,9 +793,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         That copy was checked whole then (:meth:`_iter_check_spare`); it is the same one
         now if all its buffers are still handed out as that copy (a buffer that came back
         to the pool cannot rejoin it: a copy is never handed out again), none resized, and
-        every tensor starts where it did (no ``set_`` elsewhere: a buffer's address is
-        its own while the buffer lives).  C-speed comparisons a block at a time, not a
-        Python step and three lookups a tensor: a release of 20,000 tensors took ~15 ms more.
+        every tensor views the buffer it did (by the storage itself, never a data address:
+        a buffer resized away frees its memory for any other storage to take; the offsets
+        were checked by the match).  C-speed comparisons a block at a time, not a Python
+        step and three lookups a tensor: a release of 20,000 tensors took ~15 ms more.
         """
         known = self._released
         pool = self._pool
@@ -761,7 +812,8 @@ class DefaultStager(anyio.abc.AsyncResource):
                 return None
             if (
                 list(map(_nbytes, block)) != known.nbytes[start:end]
-                or list(map(_tensor_ptr, tensors[start:end])) != known.pointers[start:end]
+                or list(map(_cdata, map(_untyped_storage, tensors[start:end])))
+                != known.tensor_buffers[start:end]
             ):
                 return None
             buffers += block
@@ -837,6 +889,7 @@ _BLOCK: Final = 512
 """Tensors a released copy is checked against its record at a time (~0.2 ms a block;
 2,048 took ~0.8 ms, and a slice could run two)."""
 _tensor_ptr: Final = torch.Tensor.data_ptr
+_untyped_storage: Final = torch.Tensor.untyped_storage
 _nbytes: Final = torch.UntypedStorage.nbytes
 _cdata: Final = operator.attrgetter("_cdata")
 
@@ -846,31 +899,37 @@ class _Released:
     """What a copy that was released and kept looked like, to know it when released again.
 
     Holds no buffer (a copy dropped instead must come back to the pool): the buffers by
-    their storages' ``_cdata``, in plan storage order.
+    their storages' ``_cdata``, in plan storage order.  Those addresses name the buffers
+    only while the pool holds them handed out as that copy, which
+    :meth:`DefaultStager._iter_released_again` checks first (a buffer that came back
+    cannot rejoin a copy): then no other storage can have their address.
     """
 
     fast: FastPlan
     serial: int
     buffers: tuple[int, ...]
     nbytes: list[int]
-    pointers: list[int]
-    """Each tensor's ``data_ptr()``, in plan order."""
+    tensor_buffers: list[int]
+    """The buffer (``_cdata``) each tensor views, in plan order."""
 
     @classmethod
     def iter_of(cls, spare: _Spare) -> Steps[_Released]:
         """The record of ``spare``, made a block at a time."""
         keys: list[int] = []
         nbytes: list[int] = []
-        pointers: list[int] = []
-        buffers, tensors = spare.buffers, spare.tensors
-        for start in range(0, max(len(buffers), len(tensors)), _BLOCK):
-            block = buffers[start : start + _BLOCK]
+        for start in range(0, len(spare.buffers), _BLOCK):
+            block = spare.buffers[start : start + _BLOCK]
             keys += map(_cdata, block)
             nbytes += map(_nbytes, block)
-            pointers += map(_tensor_ptr, tensors[start : start + _BLOCK])
             if slice_over():
                 yield
-        return cls(spare.fast, spare.serial, tuple(keys), nbytes, pointers)
+        of = spare.fast.storage_of
+        tensor_buffers: list[int] = []
+        for start in range(0, len(of), _BLOCK):
+            tensor_buffers += map(keys.__getitem__, of[start : start + _BLOCK])
+            if slice_over():
+                yield
+        return cls(spare.fast, spare.serial, tuple(keys), nbytes, tensor_buffers)
 
 
 _VERSION: Final = operator.attrgetter("_version")
@@ -890,16 +949,39 @@ class _Seen:
 @dataclasses.dataclass(eq=False, slots=True)
 class _Filled:
     """What the last stage copied into the copy ``serial`` (``skip_unchanged``): the
-    sources as ``seen`` before that copy, and its staged tensors' counters after it.
+    sources as ``seen`` before that copy, and its staged tensors (weakly: a copy its
+    holder drops must come back to the pool) with their counters after it.
 
-    ``sources`` are kept alive so that their storages cannot be freed and their
-    addresses reused by others that would then look unchanged.
+    The staged tensors are compared by identity, not by address or counter value alone: a
+    tensor swapped into the copy has a counter of its own, whose value proves nothing.
     """
 
     serial: int
-    sources: list[torch.Tensor]
     seen: _Seen
+    staged: list[weakref.ref[torch.Tensor]]
     staged_versions: list[int]
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter, 0 ("never trusted") for an inference tensor, which
+    has none (``_version`` raises on one)."""
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        return [0 if t.is_inference() else t._version for t in tensors]
+
+
+_deref: Final = operator.methodcaller("__call__")
+
+
+def _iter_empty(tensors: list[torch.Tensor]) -> Steps[None]:
+    """Empty each tensor (``set_()``), in time slices; the list is emptied too, so that no
+    reference to the tensors is left behind in it."""
+    tensors.reverse()
+    while tensors:
+        tensors.pop().set_()  # type: ignore[call-overload]
+        if slice_over():
+            yield
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
