@@ -19,8 +19,8 @@ from astage import BlockingStager, DefaultStager, StagingOptions
 from astage._options import accelerator_available
 from astage._stager import AsyncStager
 from tests.helpers import run_cancelled_at
-from tests.snapshots import assert_matches, take
-from tests.statedicts import random_tensor, tensors_of
+from tests.snapshots import assert_matches, take, tensors_of
+from tests.statedicts import random_tensor
 
 pytestmark = pytest.mark.anyio
 
