@@ -11,8 +11,12 @@ Invariants:
   stager never overwrites until it is released (``release()``) or no longer referenced.
 * A later stage of the same structure re-uses the plan only after re-checking, per tensor
   and per container, everything the plan was derived from (``_match.iter_match``), and
-  refills a released copy of it in place (the same tree comes back).  A refill that fails
-  or is cancelled drops that copy.
+  refills a released copy of it in place (the same tree comes back).  A kept copy given up
+  (a refill that fails or is cancelled, a new plan, ``aclose()``) is emptied as
+  ``release()`` empties a copy it does not keep, so that a caller's variable naming it pins
+  no buffer.
+* Whatever the fast path decides from an address (a ``StorageImpl``, a data pointer) is
+  about an object it keeps alive: a freed address is soon another object's.
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
   buffer is back in the pool before it returns, and no thread or device copy still writes
   into it.  The stager stays usable.
@@ -249,8 +253,9 @@ class DefaultStager(anyio.abc.AsyncResource):
 
         Idempotent.  A stage still waiting for room under ``max_staging_bytes`` (or not yet
         at its buffers) raises :class:`ClosedError`; a stage already copying finishes, and
-        this waits for it.  Cancelling this wait leaves the stager closed and releases
-        nothing twice: those stages hand their buffers to nobody when they end.
+        this waits for it.  The copy kept for re-use is emptied (``set_()``).  Cancelling
+        this wait leaves the stager closed and releases nothing twice: those stages hand
+        their buffers to nobody when they end.
 
         :raises EventLoopError: another event loop is using the stager.
         """
@@ -762,7 +767,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             with plain_tensor_mode():
                 for _, tensor in found:
                     if tensor.untyped_storage()._cdata in ours:
-                        tensor.set_()  # type: ignore[call-overload]
+                        _empty(tensor)
             del found
             self._pool.reclaim()
 
@@ -974,12 +979,25 @@ def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
 _deref: Final = operator.methodcaller("__call__")
 
 
+def _empty(t: torch.Tensor) -> None:
+    """Point a staged tensor, and the tensor it is a view of, at no storage (``set_()``).
+
+    A staged conj or neg tensor is a view (:func:`~astage._rebuild.make_tensor`), and its
+    ``_base`` holds the buffer too: emptied alone, it left that buffer pinned for as long as
+    the tree lived, and a stage waiting for room under the cap waited for ever.
+    """
+    base = t._base
+    t.set_()  # type: ignore[call-overload]
+    if base is not None:
+        base.set_()  # type: ignore[call-overload]
+
+
 def _iter_empty(tensors: list[torch.Tensor]) -> Steps[None]:
-    """Empty each tensor (``set_()``), in time slices; the list is emptied too, so that no
-    reference to the tensors is left behind in it."""
+    """Empty each tensor (:func:`_empty`), in time slices; the list is emptied too, so that
+    no reference to the tensors is left behind in it."""
     tensors.reverse()
     while tensors:
-        tensors.pop().set_()  # type: ignore[call-overload]
+        _empty(tensors.pop())
         if slice_over():
             yield
 
