@@ -444,7 +444,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         with anyio.CancelScope(shield=True):  # half handed out between its slices
             serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
             staged_tensors = cast(list[torch.Tensor], rebuilder.tensors)
-            await self._run(self._iter_remember(plan, serial, seen, staged_tensors), makes_tensors=False)
+            remember = self._iter_remember(plan, serial, seen, staged_tensors, new=True)
+            await self._run(remember, makes_tensors=False)
+            del remember
             del staged_tensors
         stats = self._record(
             plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
@@ -485,7 +487,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             raise
         with anyio.CancelScope(shield=True):  # the copy is whole: return it
-            await self._run(self._iter_remember(plan, spare.serial, seen, spare.tensors), makes_tensors=False)
+            remember = self._iter_remember(plan, spare.serial, seen, spare.tensors, new=False)
+            await self._run(remember, makes_tensors=False)
+            del remember
         stats = self._record(
             plan,
             0,
@@ -578,19 +582,21 @@ class DefaultStager(anyio.abc.AsyncResource):
         return _Seen(_versions(sources), list(map(_tensor_ptr, sources)))
 
     def _iter_remember(
-        self, plan: StagePlan, serial: int, seen: _Seen | None, staged: list[torch.Tensor]
+        self, plan: StagePlan, serial: int, seen: _Seen | None, staged: list[torch.Tensor], *, new: bool
     ) -> Steps[None]:
         """Record what the copy ``serial`` (the pool's lease serial) now holds, for
-        ``skip_unchanged``: its staged tensors, by weak reference (a copy its holder drops
-        must come back to the pool), and their version counters."""
+        ``skip_unchanged``: its staged tensors' version counters and, for a ``new`` copy,
+        the tensors themselves, weakly (a copy its holder drops must come back to the
+        pool): a refilled copy's are known by its :class:`_Released` record."""
         self._last = None
         if seen is None or self._fast is None or self._fast.plan is not plan:
             return
-        refs: list[weakref.ref[torch.Tensor]] = []
+        refs: list[weakref.ref[torch.Tensor]] | None = [] if new else None
         versions: list[int] = []
         for start in range(0, len(staged), _BLOCK):
             block = staged[start : start + _BLOCK]
-            refs += map(weakref.ref, block)
+            if refs is not None:
+                refs += map(weakref.ref, block)
             versions += _versions(block)
             if slice_over():
                 yield
@@ -600,7 +606,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         """Storages of ``spare`` that already hold what the sources ``seen`` hold (``skip_unchanged``).
 
         Only for the copy the last stage filled, when its tensors are the very ones that
-        stage filled and none of them was written since (their version counters), and only
+        stage filled (``as_filled``) and none of them was written since (their version counters), and only
         storages whose every source tensor kept its version counter value and address.
         The sources' storages are those the plan was made of (the re-check compares them
         by address, and the stager keeps them alive: :attr:`_plan_storages`), so an
@@ -613,10 +619,8 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._last = None
         if seen is None or last is None or last.serial != spare.serial:
             return set()
-        if len(last.staged) != len(spare.tensors) or not all(
-            map(operator.is_, map(_deref, last.staged), spare.tensors)
-        ):
-            return set()  # a tensor of the copy was swapped: its counter is another one
+        if not spare.as_filled:
+            return set()  # a tensor swapped into the copy has a counter of its own
         if _versions(spare.tensors) != last.staged_versions or 0 in last.staged_versions:
             return set()
         storages = range(len(spare.fast.plan.storages))
@@ -785,10 +789,29 @@ class DefaultStager(anyio.abc.AsyncResource):
         if spare is None:
             spare = yield from self._iter_check_spare(fast, staged, tensors)
             if spare is not None:
-                self._released = yield from _Released.iter_of(spare)
+                spare.as_filled = yield from self._iter_as_filled(spare)
+                self._released = yield from _Released.iter_of(spare, self._resolved.skip_unchanged)
         if spare is not None:
             spare.off_plan = tuple(slot for slot, _ in off_plan)
         return spare
+
+    def _iter_as_filled(self, spare: _Spare) -> Steps[bool]:
+        """Whether ``spare``'s tensors are the very ones the last stage filled, when that
+        stage made the copy (its record holds them weakly); a refilled copy is known by its
+        :class:`_Released` record instead."""
+        last = self._last
+        if last is None or last.serial != spare.serial or last.staged is None:
+            return False
+        staged, tensors = last.staged, spare.tensors
+        if len(staged) != len(tensors):
+            return False
+        for start in range(0, len(tensors), _BLOCK):
+            end = start + _BLOCK
+            if not all(map(operator.is_, map(_deref, staged[start:end]), tensors[start:end])):
+                return False
+            if slice_over():
+                yield
+        return True
 
     def _iter_released_again(
         self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
@@ -800,7 +823,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         to the pool cannot rejoin it: a copy is never handed out again), none resized, and
         every tensor views the buffer it did (by the storage itself, never a data address:
         a buffer resized away frees its memory for any other storage to take; the offsets
-        were checked by the match).  C-speed comparisons a block at a time, not a Python
+        were checked by the match) and is the tensor it was (a tensor swapped in has a
+        version counter of its own).  The copy's tensors are then the ones the stages since
+        refilled (``as_filled``).  C-speed comparisons a block at a time, not a Python
         step and three lookups a tensor: a release of 20,000 tensors took ~15 ms more.
         """
         known = self._released
@@ -819,6 +844,10 @@ class DefaultStager(anyio.abc.AsyncResource):
                 list(map(_nbytes, block)) != known.nbytes[start:end]
                 or list(map(_cdata, map(_untyped_storage, tensors[start:end])))
                 != known.tensor_buffers[start:end]
+                or (
+                    known.tensors is not None
+                    and not all(map(operator.is_, map(_deref, known.tensors[start:end]), tensors[start:end]))
+                )
             ):
                 return None
             buffers += block
@@ -826,7 +855,8 @@ class DefaultStager(anyio.abc.AsyncResource):
                 yield
         if self._released is not known or pool.copy_buffers(known.serial) != len(buffers):
             return None  # (changed between two slices)
-        return _Spare(fast, staged, tensors, tuple(buffers), known.serial)
+        as_filled = known.tensors is not None
+        return _Spare(fast, staged, tensors, tuple(buffers), known.serial, as_filled=as_filled)
 
     def _iter_check_spare(
         self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
@@ -882,6 +912,8 @@ class _Spare:
     tensors: list[torch.Tensor]
     buffers: tuple[Buffer, ...]
     serial: int
+    as_filled: bool = False
+    """Its tensors are, by identity, those that the last fill of its copy wrote."""
     off_plan: tuple[int, ...] = ()
     """Atom slots where the tree holds values other than the plan's (set by a stage)."""
 
@@ -916,10 +948,13 @@ class _Released:
     nbytes: list[int]
     tensor_buffers: list[int]
     """The buffer (``_cdata``) each tensor views, in plan order."""
+    tensors: list[weakref.ref[torch.Tensor]] | None
+    """With ``skip_unchanged``, the tensors themselves, weakly (a copy dropped instead must
+    come back): a full refill needs the buffers right, not the tensor objects."""
 
     @classmethod
-    def iter_of(cls, spare: _Spare) -> Steps[_Released]:
-        """The record of ``spare``, made a block at a time."""
+    def iter_of(cls, spare: _Spare, weak: bool) -> Steps[_Released]:
+        """The record of ``spare``, made a block at a time (``weak``: with its tensors)."""
         keys: list[int] = []
         nbytes: list[int] = []
         for start in range(0, len(spare.buffers), _BLOCK):
@@ -930,11 +965,14 @@ class _Released:
                 yield
         of = spare.fast.storage_of
         tensor_buffers: list[int] = []
+        refs: list[weakref.ref[torch.Tensor]] | None = [] if weak else None
         for start in range(0, len(of), _BLOCK):
             tensor_buffers += map(keys.__getitem__, of[start : start + _BLOCK])
+            if refs is not None:
+                refs += map(weakref.ref, spare.tensors[start : start + _BLOCK])
             if slice_over():
                 yield
-        return cls(spare.fast, spare.serial, tuple(keys), nbytes, tensor_buffers)
+        return cls(spare.fast, spare.serial, tuple(keys), nbytes, tensor_buffers, refs)
 
 
 _VERSION: Final = operator.attrgetter("_version")
@@ -954,16 +992,19 @@ class _Seen:
 @dataclasses.dataclass(eq=False, slots=True)
 class _Filled:
     """What the last stage copied into the copy ``serial`` (``skip_unchanged``): the
-    sources as ``seen`` before that copy, and its staged tensors (weakly: a copy its
-    holder drops must come back to the pool) with their counters after it.
+    sources as ``seen`` before that copy, and its staged tensors' counters after it.
 
-    The staged tensors are compared by identity, not by address or counter value alone: a
-    tensor swapped into the copy has a counter of its own, whose value proves nothing.
+    A copy's tensors are known by identity, never by counter values alone (a tensor
+    swapped into the copy has a counter of its own, whose value proves nothing): a new
+    copy's by ``staged``, held weakly (a copy its holder drops must come back to the
+    pool), a refilled one's by its :class:`_Released` record, as holding 20,000 weak
+    references a stage cost ~10 ms of the refill's ~70.
     """
 
     serial: int
     seen: _Seen
-    staged: list[weakref.ref[torch.Tensor]]
+    staged: list[weakref.ref[torch.Tensor]] | None
+    """The new copy's tensors (``None`` after a refill: the kept copy's)."""
     staged_versions: list[int]
 
 
