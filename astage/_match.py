@@ -44,7 +44,11 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
     The storage is named by its ``StorageImpl`` (``_cdata``, what the planner groups
     storages by) with its byte size, so a tensor moved to another storage (``set_``,
     ``.data =``), a storage resized, or two tensors that start or stop sharing one, all
-    change some tensor's signature.  Layouts the plan refuses need no field of their own:
+    change some tensor's signature.  An address names the same storage only while that
+    storage cannot be freed: equal addresses at one instant decide the plan's grouping
+    whatever was freed before, but a claim that a storage is the one seen at an earlier
+    stage (``skip_unchanged``) holds only because the stager keeps the plan's source
+    storages alive.  Layouts the plan refuses need no field of their own:
     sparse, mkldnn and compressed tensors have no storage and nested ones no strides, so
     reading the signature of one raises (and the re-check fails).  About 1 us a tensor:
     every field read costs, so nothing is read twice.

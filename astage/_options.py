@@ -75,9 +75,10 @@ class StagingOptions:
         ``stage()`` waits for room instead of allocating past it.  ``None``: no cap.
     :param skip_unchanged: incremental staging: when a released copy is refilled, a storage
         whose source tensors still have the version counters (``tensor._version``) they had
-        when it was last copied into that same copy is not copied again.  Writes that do
-        not bump the counter (through ``.data``, NumPy, DLPack, another process) go unseen;
-        see :doc:`concepts`.
+        when it was last copied into that same copy is not copied again (the stager then
+        keeps the plan's source storages alive).  Writes that do not bump the counter of
+        the staged tensor (through ``.data``, NumPy, DLPack, another process) go unseen;
+        inference tensors, which have no counter, are always copied; see :doc:`concepts`.
     """
 
     use_pinned_memory: bool | None = None

@@ -11,8 +11,12 @@ Invariants:
   stager never overwrites until it is released (``release()``) or no longer referenced.
 * A later stage of the same structure re-uses the plan only after re-checking, per tensor
   and per container, everything the plan was derived from (``_match.iter_match``), and
-  refills a released copy of it in place (the same tree comes back).  A refill that fails
-  or is cancelled drops that copy.
+  refills a released copy of it in place (the same tree comes back).  A kept copy given up
+  (a refill that fails or is cancelled, a new plan, ``aclose()``) is emptied as
+  ``release()`` empties a copy it does not keep, so that a caller's variable naming it pins
+  no buffer.
+* Whatever the fast path decides from an address (a ``StorageImpl``, a data pointer) is
+  about an object it keeps alive: a freed address is soon another object's.
 * Whatever happens inside ``stage()`` (error, cancellation at any ``await``), every leased
   buffer is back in the pool before it returns, and no thread or device copy still writes
   into it.  The stager stays usable.
@@ -33,6 +37,7 @@ import logging
 import operator
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol, Self, cast, runtime_checkable
@@ -231,6 +236,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._spare: _Spare | None = None
         self._last: _Filled | None = None
         self._released: _Released | None = None
+        # With skip_unchanged, the source storages the plan was made of, kept alive: the
+        # re-check compares storages by their StorageImpl's address, which only means "the
+        # same storage" while that storage cannot be freed and its address taken by another.
+        self._plan_storages: tuple[torch.UntypedStorage, ...] = ()
 
     # -- lifecycle (``async with`` comes from AsyncResource: it calls aclose) ---------------
 
@@ -244,8 +253,9 @@ class DefaultStager(anyio.abc.AsyncResource):
 
         Idempotent.  A stage still waiting for room under ``max_staging_bytes`` (or not yet
         at its buffers) raises :class:`ClosedError`; a stage already copying finishes, and
-        this waits for it.  Cancelling this wait leaves the stager closed and releases
-        nothing twice: those stages hand their buffers to nobody when they end.
+        this waits for it.  The copy kept for re-use is emptied (``set_()``).  Cancelling
+        this wait leaves the stager closed and releases nothing twice: those stages hand
+        their buffers to nobody when they end.
 
         :raises EventLoopError: another event loop is using the stager.
         """
@@ -253,7 +263,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             return
         with self._one_loop("aclose()"):
             self._closed = True
-            self._forget_plan()
+            await self._forget_plan()
             # Closing the pool first wakes every waiter; waiting for in-flight stages first
             # hung forever when one waited for room that only its caller could free (issue 9).
             await self._pool.aclose()
@@ -361,7 +371,7 @@ class DefaultStager(anyio.abc.AsyncResource):
     async def _stage_first(self, state_dict: Any, started: float) -> tuple[Any, StageStats]:
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
         plan first, whose buffers may be needed under the memory cap."""
-        self._forget_plan()
+        await self._forget_plan()
         # Everything planning makes lives as long as the plan: made in one collector pause
         # and promoted at its end (astage._gc), as is the new copy in _stage_new.
         with gc_paused():
@@ -371,6 +381,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
             fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._fast, self._layout = fast, layout
+        if fast is not None and self._resolved.skip_unchanged:
+            self._plan_storages = source.storages
         return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 
     async def _stage_new(
@@ -432,7 +444,11 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         with anyio.CancelScope(shield=True):  # half handed out between its slices
             serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
-        self._remember(plan, serial, sources, seen, cast(list[torch.Tensor], rebuilder.tensors))
+            staged_tensors = cast(list[torch.Tensor], rebuilder.tensors)
+            remember = self._iter_remember(plan, serial, seen, staged_tensors, new=True)
+            await self._run(remember, makes_tensors=False)
+            del remember
+            del staged_tensors
         stats = self._record(
             plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
         )
@@ -457,20 +473,24 @@ class DefaultStager(anyio.abc.AsyncResource):
             set_atoms(spare.tree, atoms, back + patches)
         except (LookupError, TypeError, AttributeError) as exc:
             log.warning("a released copy was changed after its release (%r); staging a new one", exc)
+            await self._drop(spare.tensors)
             spare = None
-            self._pool.reclaim()
             return await self._stage_new(plan, layout, sources, started, patches=(atoms, patches))
-        seen = self._see(sources)
-        skip = self._unchanged(spare, seen)
         try:
+            seen = self._see(sources)
+            skip = self._unchanged(spare, seen)
             await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip, spare.fast.storage_of)
         except BaseException as exc:
-            # The copy is half refilled: drop it (its buffers go back to the pool).
+            # The copy is half refilled: drop it, emptied, so that its buffers go back to
+            # the pool even while a caller's variable still names the released tree.
             traceback.clear_frames(exc.__traceback__)
+            await self._drop(spare.tensors)
             spare = None
-            self._pool.reclaim()
             raise
-        self._remember(plan, spare.serial, sources, seen, spare.tensors)
+        with anyio.CancelScope(shield=True):  # the copy is whole: return it
+            remember = self._iter_remember(plan, spare.serial, seen, spare.tensors, new=False)
+            await self._run(remember, makes_tensors=False)
+            del remember
         stats = self._record(
             plan,
             0,
@@ -523,14 +543,32 @@ class DefaultStager(anyio.abc.AsyncResource):
 
     # -- re-use ---------------------------------------------------------------------------
 
-    def _forget_plan(self) -> None:
-        """Drop the cached plan, the copy kept for re-use and the record of the last stage."""
+    async def _forget_plan(self) -> None:
+        """Drop the cached plan, the copy kept for re-use (emptied) and the record of the last stage."""
         spare = self._spare
         self._fast = self._layout = self._spare = self._last = self._released = None
+        self._plan_storages = ()
         if spare is not None:
             self._pool.unkeep(spare.serial)
+            tensors = spare.tensors
             del spare
-            self._pool.reclaim()
+            await self._drop(tensors)
+
+    async def _drop(self, tensors: list[torch.Tensor]) -> None:
+        """Empty the tensors of a copy handed back to the stager that it will not return
+        (``set_()``, as :meth:`release` empties a copy it does not keep), and take its
+        buffers back.
+
+        A copy dropped unemptied holds its buffers for as long as anything references its
+        tree, and every ``staged = await stager.stage(sd) ... release(staged)`` loop does
+        until its next assignment: a stage waiting for room under ``max_staging_bytes``
+        then waited for ever.  Shielded: the copy is the stager's, and half emptied it
+        would still pin its other buffers.
+        """
+        with anyio.CancelScope(shield=True):
+            await self._run(_iter_empty(tensors))
+        del tensors
+        self._pool.reclaim()
 
     def _see(self, sources: list[torch.Tensor]) -> _Seen | None:
         """The sources' version counters and addresses, read before the copy (``skip_unchanged``).
@@ -542,34 +580,49 @@ class DefaultStager(anyio.abc.AsyncResource):
         """
         if not self._resolved.skip_unchanged:
             return None
-        return _Seen(list(map(_VERSION, sources)), list(map(torch.Tensor.data_ptr, sources)))
+        return _Seen(_versions(sources), list(map(_tensor_ptr, sources)))
 
-    def _remember(
-        self,
-        plan: StagePlan,
-        serial: int,
-        sources: list[torch.Tensor],
-        seen: _Seen | None,
-        staged: list[torch.Tensor],
-    ) -> None:
-        """Record what the copy ``serial`` (the pool's lease serial) now holds, for ``skip_unchanged``."""
+    def _iter_remember(
+        self, plan: StagePlan, serial: int, seen: _Seen | None, staged: list[torch.Tensor], *, new: bool
+    ) -> Steps[None]:
+        """Record what the copy ``serial`` (the pool's lease serial) now holds, for
+        ``skip_unchanged``: its staged tensors' version counters and, for a ``new`` copy,
+        the tensors themselves, weakly (a copy its holder drops must come back to the
+        pool): a refilled copy's are known by its :class:`_Released` record."""
+        self._last = None
         if seen is None or self._fast is None or self._fast.plan is not plan:
             return
-        self._last = _Filled(serial, sources, seen, list(map(_VERSION, staged)))
+        refs: list[weakref.ref[torch.Tensor]] | None = [] if new else None
+        versions: list[int] = []
+        for start in range(0, len(staged), _BLOCK):
+            block = staged[start : start + _BLOCK]
+            if refs is not None:
+                refs += map(weakref.ref, block)
+            versions += _versions(block)
+            if slice_over():
+                yield
+        self._last = _Filled(serial, seen, refs, versions)
 
     def _unchanged(self, spare: _Spare, seen: _Seen | None) -> set[int]:
         """Storages of ``spare`` that already hold what the sources ``seen`` hold (``skip_unchanged``).
 
-        Only for the copy the last stage filled, when none of its tensors was written since
-        (their version counters), and only storages whose every source tensor kept its
-        version counter value and address.  A counter at 0 is never trusted: a new counter
-        starts there (``.data``, ``torch.from_numpy``), so equal values would prove nothing.
+        Only for the copy the last stage filled, when its tensors are the very ones that
+        stage filled (``as_filled``) and none of them was written since (their version counters), and only
+        storages whose every source tensor kept its version counter value and address.
+        The sources' storages are those the plan was made of (the re-check compares them
+        by address, and the stager keeps them alive: :attr:`_plan_storages`), so an
+        address cannot have been freed and re-used by another storage in between.  A
+        counter at 0 is never trusted: a new counter starts there (``.data``,
+        ``torch.from_numpy``), so equal values would prove nothing; an inference tensor,
+        which has none, counts as 0.
         """
         last = self._last
         self._last = None
         if seen is None or last is None or last.serial != spare.serial:
             return set()
-        if list(map(_VERSION, spare.tensors)) != last.staged_versions:
+        if not spare.as_filled:
+            return set()  # a tensor swapped into the copy has a counter of its own
+        if _versions(spare.tensors) != last.staged_versions or 0 in last.staged_versions:
             return set()
         storages = range(len(spare.fast.plan.storages))
         before = last.seen
@@ -693,7 +746,13 @@ class DefaultStager(anyio.abc.AsyncResource):
             # (kept, the copy would hold its bytes under the cap from them for ever).
             if fast is not None and self._spare is None and self._pool.retain and not self._pool.waiting:
                 spare = await run_steps(self._iter_spare(fast, staged))
-                if spare is not None and self._spare is None and self._fast is fast:
+                # (Checked again: a stage may have begun to wait for room meanwhile.)
+                if (
+                    spare is not None
+                    and self._spare is None
+                    and self._fast is fast
+                    and not self._pool.waiting
+                ):
                     self._spare = spare
                     self._pool.keep(spare.serial, fast.nbytes)
                     return
@@ -713,7 +772,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             with plain_tensor_mode():
                 for _, tensor in found:
                     if tensor.untyped_storage()._cdata in ours:
-                        tensor.set_()  # type: ignore[call-overload]
+                        _empty(tensor)
             del found
             self._pool.reclaim()
 
@@ -731,10 +790,29 @@ class DefaultStager(anyio.abc.AsyncResource):
         if spare is None:
             spare = yield from self._iter_check_spare(fast, staged, tensors)
             if spare is not None:
-                self._released = yield from _Released.iter_of(spare)
+                spare.as_filled = yield from self._iter_as_filled(spare)
+                self._released = yield from _Released.iter_of(spare, self._resolved.skip_unchanged)
         if spare is not None:
             spare.off_plan = tuple(slot for slot, _ in off_plan)
         return spare
+
+    def _iter_as_filled(self, spare: _Spare) -> Steps[bool]:
+        """Whether ``spare``'s tensors are the very ones the last stage filled, when that
+        stage made the copy (its record holds them weakly); a refilled copy is known by its
+        :class:`_Released` record instead."""
+        last = self._last
+        if last is None or last.serial != spare.serial or last.staged is None:
+            return False
+        staged, tensors = last.staged, spare.tensors
+        if len(staged) != len(tensors):
+            return False
+        for start in range(0, len(tensors), _BLOCK):
+            end = start + _BLOCK
+            if not all(map(operator.is_, map(_deref, staged[start:end]), tensors[start:end])):
+                return False
+            if slice_over():
+                yield
+        return True
 
     def _iter_released_again(
         self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
@@ -744,9 +822,12 @@ class DefaultStager(anyio.abc.AsyncResource):
         That copy was checked whole then (:meth:`_iter_check_spare`); it is the same one
         now if all its buffers are still handed out as that copy (a buffer that came back
         to the pool cannot rejoin it: a copy is never handed out again), none resized, and
-        every tensor starts where it did (no ``set_`` elsewhere: a buffer's address is
-        its own while the buffer lives).  C-speed comparisons a block at a time, not a
-        Python step and three lookups a tensor: a release of 20,000 tensors took ~15 ms more.
+        every tensor views the buffer it did (by the storage itself, never a data address:
+        a buffer resized away frees its memory for any other storage to take; the offsets
+        were checked by the match) and is the tensor it was (a tensor swapped in has a
+        version counter of its own).  The copy's tensors are then the ones the stages since
+        refilled (``as_filled``).  C-speed comparisons a block at a time, not a Python
+        step and three lookups a tensor: a release of 20,000 tensors took ~15 ms more.
         """
         known = self._released
         pool = self._pool
@@ -762,7 +843,12 @@ class DefaultStager(anyio.abc.AsyncResource):
                 return None
             if (
                 list(map(_nbytes, block)) != known.nbytes[start:end]
-                or list(map(_tensor_ptr, tensors[start:end])) != known.pointers[start:end]
+                or list(map(_cdata, map(_untyped_storage, tensors[start:end])))
+                != known.tensor_buffers[start:end]
+                or (
+                    known.tensors is not None
+                    and not all(map(operator.is_, map(_deref, known.tensors[start:end]), tensors[start:end]))
+                )
             ):
                 return None
             buffers += block
@@ -770,7 +856,8 @@ class DefaultStager(anyio.abc.AsyncResource):
                 yield
         if self._released is not known or pool.copy_buffers(known.serial) != len(buffers):
             return None  # (changed between two slices)
-        return _Spare(fast, staged, tensors, tuple(buffers), known.serial)
+        as_filled = known.tensors is not None
+        return _Spare(fast, staged, tensors, tuple(buffers), known.serial, as_filled=as_filled)
 
     def _iter_check_spare(
         self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
@@ -826,6 +913,8 @@ class _Spare:
     tensors: list[torch.Tensor]
     buffers: tuple[Buffer, ...]
     serial: int
+    as_filled: bool = False
+    """Its tensors are, by identity, those that the last fill of its copy wrote."""
     off_plan: tuple[int, ...] = ()
     """Atom slots where the tree holds values other than the plan's (set by a stage)."""
 
@@ -838,6 +927,7 @@ _BLOCK: Final = 512
 """Tensors a released copy is checked against its record at a time (~0.2 ms a block;
 2,048 took ~0.8 ms, and a slice could run two)."""
 _tensor_ptr: Final = torch.Tensor.data_ptr
+_untyped_storage: Final = torch.Tensor.untyped_storage
 _nbytes: Final = torch.UntypedStorage.nbytes
 _cdata: Final = operator.attrgetter("_cdata")
 
@@ -847,31 +937,43 @@ class _Released:
     """What a copy that was released and kept looked like, to know it when released again.
 
     Holds no buffer (a copy dropped instead must come back to the pool): the buffers by
-    their storages' ``_cdata``, in plan storage order.
+    their storages' ``_cdata``, in plan storage order.  Those addresses name the buffers
+    only while the pool holds them handed out as that copy, which
+    :meth:`DefaultStager._iter_released_again` checks first (a buffer that came back
+    cannot rejoin a copy): then no other storage can have their address.
     """
 
     fast: FastPlan
     serial: int
     buffers: tuple[int, ...]
     nbytes: list[int]
-    pointers: list[int]
-    """Each tensor's ``data_ptr()``, in plan order."""
+    tensor_buffers: list[int]
+    """The buffer (``_cdata``) each tensor views, in plan order."""
+    tensors: list[weakref.ref[torch.Tensor]] | None
+    """With ``skip_unchanged``, the tensors themselves, weakly (a copy dropped instead must
+    come back): a full refill needs the buffers right, not the tensor objects."""
 
     @classmethod
-    def iter_of(cls, spare: _Spare) -> Steps[_Released]:
-        """The record of ``spare``, made a block at a time."""
+    def iter_of(cls, spare: _Spare, weak: bool) -> Steps[_Released]:
+        """The record of ``spare``, made a block at a time (``weak``: with its tensors)."""
         keys: list[int] = []
         nbytes: list[int] = []
-        pointers: list[int] = []
-        buffers, tensors = spare.buffers, spare.tensors
-        for start in range(0, max(len(buffers), len(tensors)), _BLOCK):
-            block = buffers[start : start + _BLOCK]
+        for start in range(0, len(spare.buffers), _BLOCK):
+            block = spare.buffers[start : start + _BLOCK]
             keys += map(_cdata, block)
             nbytes += map(_nbytes, block)
-            pointers += map(_tensor_ptr, tensors[start : start + _BLOCK])
             if slice_over():
                 yield
-        return cls(spare.fast, spare.serial, tuple(keys), nbytes, pointers)
+        of = spare.fast.storage_of
+        tensor_buffers: list[int] = []
+        refs: list[weakref.ref[torch.Tensor]] | None = [] if weak else None
+        for start in range(0, len(of), _BLOCK):
+            tensor_buffers += map(keys.__getitem__, of[start : start + _BLOCK])
+            if refs is not None:
+                refs += map(weakref.ref, spare.tensors[start : start + _BLOCK])
+            if slice_over():
+                yield
+        return cls(spare.fast, spare.serial, tuple(keys), nbytes, tensor_buffers, refs)
 
 
 _VERSION: Final = operator.attrgetter("_version")
@@ -893,14 +995,53 @@ class _Filled:
     """What the last stage copied into the copy ``serial`` (``skip_unchanged``): the
     sources as ``seen`` before that copy, and its staged tensors' counters after it.
 
-    ``sources`` are kept alive so that their storages cannot be freed and their
-    addresses reused by others that would then look unchanged.
+    A copy's tensors are known by identity, never by counter values alone (a tensor
+    swapped into the copy has a counter of its own, whose value proves nothing): a new
+    copy's by ``staged``, held weakly (a copy its holder drops must come back to the
+    pool), a refilled one's by its :class:`_Released` record, as holding 20,000 weak
+    references a stage cost ~10 ms of the refill's ~70.
     """
 
     serial: int
-    sources: list[torch.Tensor]
     seen: _Seen
+    staged: list[weakref.ref[torch.Tensor]] | None
+    """The new copy's tensors (``None`` after a refill: the kept copy's)."""
     staged_versions: list[int]
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter, 0 ("never trusted") for an inference tensor, which
+    has none (``_version`` raises on one)."""
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        return [0 if t.is_inference() else t._version for t in tensors]
+
+
+_deref: Final = operator.methodcaller("__call__")
+
+
+def _empty(t: torch.Tensor) -> None:
+    """Point a staged tensor, and the tensor it is a view of, at no storage (``set_()``).
+
+    A staged conj or neg tensor is a view (:func:`~astage._rebuild.make_tensor`), and its
+    ``_base`` holds the buffer too: emptied alone, it left that buffer pinned for as long as
+    the tree lived, and a stage waiting for room under the cap waited for ever.
+    """
+    base = t._base
+    t.set_()  # type: ignore[call-overload]
+    if base is not None:
+        base.set_()  # type: ignore[call-overload]
+
+
+def _iter_empty(tensors: list[torch.Tensor]) -> Steps[None]:
+    """Empty each tensor (:func:`_empty`), in time slices; the list is emptied too, so that
+    no reference to the tensors is left behind in it."""
+    tensors.reverse()
+    while tensors:
+        _empty(tensors.pop())
+        if slice_over():
+            yield
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
