@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
+from tests.statedicts import tensors_of
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """Where a tensor sat in the tree: its position in walk order (:func:`tensors_of`)."""
+    """Where a tensor sat in the tree: its position in walk order (:func:`tests.statedicts.tensors_of`)."""
 
     index: int
 
@@ -29,32 +31,6 @@ class Snapshot:
     storages: list[torch.Tensor]
     same_object: list[list[bool]]
     same_storage: list[list[bool]]
-
-
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in a tree, in walk order (as :func:`tests.statedicts.tensors_of`).
-
-    A loop over a stack, not a recursive closure: a closure that calls itself is a
-    reference cycle, which would keep the list (and a staged copy's buffers, under a memory
-    cap) alive until the collector runs.
-    """
-    out: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-            continue
-        if isinstance(x, dict):
-            children = list(x.values())
-        elif isinstance(x, (list, tuple)):
-            children = list(x)
-        elif dataclasses.is_dataclass(x) or hasattr(x, "__slots__"):
-            children = [getattr(x, name) for name in getattr(x, "__slots__", ()) or vars(x)]
-        else:
-            continue
-        stack.extend(reversed(children))
-    return out
 
 
 def meta(t: torch.Tensor) -> tuple[Any, ...]:
