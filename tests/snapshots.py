@@ -4,20 +4,27 @@
 tensor's metadata, which tensors are one object and which share a storage, and a byte copy
 (``torch.clone``) of every storage.  :func:`assert_matches` then checks a staged copy against
 it, whatever happened to the source since: the copy must hold exactly those bytes.
+
+Across processes (a replica held by a peer rank), :func:`digest` reduces a snapshot to plain
+picklable data (a sha256 of every storage instead of its bytes) for
+``dist.all_gather_object``, and :func:`assert_matches_digest` checks a tree against it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
 
+from tests.statedicts import tensors_of
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """Where a tensor sat in the tree: its position in walk order (:func:`tensors_of`)."""
+    """Where a tensor sat in the tree: its position in walk order (:func:`tests.statedicts.tensors_of`)."""
 
     index: int
 
@@ -29,32 +36,6 @@ class Snapshot:
     storages: list[torch.Tensor]
     same_object: list[list[bool]]
     same_storage: list[list[bool]]
-
-
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in a tree, in walk order (as :func:`tests.statedicts.tensors_of`).
-
-    A loop over a stack, not a recursive closure: a closure that calls itself is a
-    reference cycle, which would keep the list (and a staged copy's buffers, under a memory
-    cap) alive until the collector runs.
-    """
-    out: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-            continue
-        if isinstance(x, dict):
-            children = list(x.values())
-        elif isinstance(x, (list, tuple)):
-            children = list(x)
-        elif dataclasses.is_dataclass(x) or hasattr(x, "__slots__"):
-            children = [getattr(x, name) for name in getattr(x, "__slots__", ()) or vars(x)]
-        else:
-            continue
-        stack.extend(reversed(children))
-    return out
 
 
 def meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -126,3 +107,44 @@ def assert_matches(staged: Any, snap: Snapshot, where: str = "") -> None:
     assert [[a is b for b in tensors] for a in tensors] == snap.same_object, where
     shared = [[a.untyped_storage()._cdata == b.untyped_storage()._cdata for b in tensors] for a in tensors]
     assert shared == snap.same_storage, where
+
+
+@dataclasses.dataclass(frozen=True)
+class Digest:
+    """A :class:`Snapshot` as plain data: no tensor, no torch type (only their names)."""
+
+    skeleton: Any
+    metas: list[tuple[Any, ...]]
+    sha256: list[str]
+    same_object: list[list[bool]]
+    same_storage: list[list[bool]]
+
+
+def plain_meta(m: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A :func:`meta` tuple with the tensor's type and dtype as names."""
+    kind, dtype, *rest = m
+    return (f"{kind.__module__}.{kind.__qualname__}", str(dtype), *rest)
+
+
+def digest(snap: Snapshot) -> Digest:
+    """``snap`` as plain data, to send to another process."""
+    return Digest(
+        snap.skeleton,
+        [plain_meta(m) for m in snap.metas],
+        [hashlib.sha256(s.numpy().tobytes()).hexdigest() for s in snap.storages],
+        snap.same_object,
+        snap.same_storage,
+    )
+
+
+def assert_matches_digest(tree: Any, want: Digest, where: str = "") -> None:
+    """``tree`` holds exactly what the snapshot ``want`` was made of (as :func:`assert_matches`)."""
+    got = digest(take(tree))
+    assert len(got.metas) == len(want.metas), f"{where}: {len(got.metas)} tensors != {len(want.metas)}"
+    same_skeleton(got.skeleton, want.skeleton, f"{where} sd")
+    for i, (m, n) in enumerate(zip(got.metas, want.metas, strict=True)):
+        assert m == n, f"{where} tensor {i}: {m} != {n}"
+    for i, (h, k) in enumerate(zip(got.sha256, want.sha256, strict=True)):
+        assert h == k, f"{where} tensor {i}: stale or wrong bytes"
+    assert got.same_object == want.same_object, f"{where}: other tensors are one object"
+    assert got.same_storage == want.same_storage, f"{where}: other tensors share a storage"

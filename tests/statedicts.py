@@ -96,23 +96,28 @@ def rich_state_dict() -> dict[str, Any]:
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in a tree, in walk order (containers, dataclasses, slots, namedtuples)."""
-    out: list[torch.Tensor] = []
+    """Every tensor in a tree, in walk order (containers, dataclasses, slots, namedtuples).
 
-    def walk(x: Any) -> None:
+    A loop over a stack, not a recursive closure: a closure that calls itself is a
+    reference cycle, which would keep the returned list (and, through it, a staged copy's
+    buffers under a memory cap) alive until the cyclic collector runs.
+    """
+    out: list[torch.Tensor] = []
+    stack: list[Any] = [tree]
+    while stack:
+        x = stack.pop()
         if isinstance(x, torch.Tensor):
             out.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
+            continue
+        if isinstance(x, dict):
+            children = list(x.values())
         elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
+            children = list(x)
         elif dataclasses.is_dataclass(x) or hasattr(x, "__slots__"):
-            for name in getattr(x, "__slots__", ()) or vars(x):
-                walk(getattr(x, name))
-
-    walk(tree)
+            children = [getattr(x, name) for name in getattr(x, "__slots__", ()) or vars(x)]
+        else:
+            continue
+        stack.extend(reversed(children))  # the first child is walked first
     return out
 
 

@@ -1,19 +1,21 @@
 """Property: whatever changes between two stages, a staged copy is bit for bit the state_dict
-as it was when it was staged.
+as it was when it was staged, and so are its replica on a peer and its checkpoint restored.
 
-A seeded random driver makes long sequences of the changes a training job (or an adversary)
-makes between stages: values written in place (directly and through views), metadata
-changes, aliasing made and undone, storages freed and re-allocated (``set_``, ``.data =``,
-``UntypedStorage.resize_``, ``Tensor.resize_``), keys added and removed, scalars changed and
-turned into other types, inference tensors made and changed.  After each change set, the
+The seeded random driver of :mod:`tests.mutations` makes long sequences of the changes a
+training job (or an adversary) makes between stages: values, metadata, aliasing, storages
+freed and re-allocated, structure, scalars, inference tensors.  After each change set, the
 state_dict is snapshotted (``torch.clone`` of every storage, :mod:`tests.snapshots`) and
 staged; the copy must match the snapshot, and every copy still held must still match its
 own.  Copies are released, dropped, or held for a while, with and without
 ``skip_unchanged``, with and without a memory cap; a shorter sequence goes through
 ``Checkpointer.save()`` and ``restore()`` in a real directory.
 
-Writes that bump no version counter (``.data``, NumPy, ``UntypedStorage.copy_``) are left
-out: ``skip_unchanged`` documents that it does not see them (docs/concepts.md).
+Replication runs in a real 2-rank gloo group (:mod:`tests.distributed`): each rank drives
+its own sequence through ``ReplicationStager.replicate()``, and the replica it holds of its
+peer (read back from the file, and as ``result.replica``) must match the snapshot the peer
+took, sent over the group as a digest (:func:`tests.snapshots.digest`).  Then
+``Checkpointer(replication=ReplicationStager(...)).save()`` of a shorter sequence, one rank's
+directory lost, and a collective ``restore()`` that must give each rank its snapshot back.
 
 The length comes from ``ASTAGE_SOAK_SCALE`` (default 1: a few seconds).  A failure names
 its seed and step; ``ASTAGE_REUSE_SEED`` runs one seed again.
@@ -21,21 +23,24 @@ its seed and step; ``ASTAGE_REUSE_SEED`` runs one seed again.
 
 from __future__ import annotations
 
-import collections
+import gc
 import os
-import random
-from collections.abc import Callable
+import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import torch
+import torch.distributed as dist
 
 import astage
 from astage import DefaultStager, StagingOptions
-from tests.snapshots import Snapshot, assert_matches, take
-from tests.statedicts import random_tensor
+from tests.distributed import run_group
+from tests.mutations import CAP, World
+from tests.snapshots import Digest, Snapshot, assert_matches, assert_matches_digest, digest, take
+from tests.statedicts import Point, tensors_of
 
 pytestmark = pytest.mark.anyio
 
@@ -44,227 +49,25 @@ STAGES = 40 * SCALE
 SAVES = 8 * SCALE
 SEEDS = [int(os.environ["ASTAGE_REUSE_SEED"])] if "ASTAGE_REUSE_SEED" in os.environ else [1, 2]
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)
-MAX_TENSORS = 24
-MAX_SIDE = 4
-"""Small tensors have at most ``MAX_SIDE ** 2`` elements of at most 8 bytes."""
-EMBEDDING = 4096
-"""Elements of the one large float32 tensor, which keeps its size (only its values and its
-storage change): with it a state_dict's size stays close to :data:`STATE_BOUND`."""
-STATE_BOUND = EMBEDDING * 4 + MAX_TENSORS * MAX_SIDE**2 * 8
-CAP = STATE_BOUND * 3 // 2
-"""Room for one copy, not two: a copy the stager drops without emptying it, while the
-caller's variable still names it, leaves no room for the next (the driver holds no copy of
-its own under the cap)."""
 GUARD_SECONDS = 60
 """A stage that waits for room nothing frees fails after this instead of hanging."""
 
-Slot = tuple[Any, Any]
-"""A tensor's place: its container (a dict or a list) and its key there."""
-
-
-class World:
-    """A state_dict and the random changes made to it between stages."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.counter = 0
-        base = self.tensor(2)
-        model: collections.OrderedDict[str, Any] = collections.OrderedDict(
-            weight=base, weight_t=base.t(), row=base[-1], bias=self.tensor(1)
-        )
-        model._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
-        with torch.inference_mode():
-            ema = torch.randn(MAX_SIDE**2, generator=self.gen)
-        self.sd: dict[str, Any] = {
-            "embedding": random_tensor((EMBEDDING,), torch.float32, self.gen),
-            "model": model,
-            "optim": {
-                "state": {0: {"exp_avg": self.tensor(1), "step": torch.tensor(0.0)}},
-                "param_groups": [{"lr": 0.1, "params": [0]}],
-            },
-            "ema": ema,
-            "buffers": [self.tensor(1), self.tensor(2)],
-            "step": 0,
-        }
-
-    # -- making values --------------------------------------------------------------------
-
-    def tensor(self, dims: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dims = self.rng.choice((0, 1, 2)) if dims is None else dims
-        shape = tuple(self.rng.randint(1, MAX_SIDE) for _ in range(dims))
-        return random_tensor(shape, dtype or self.rng.choice(DTYPES), self.gen)
-
-    def noise_like(self, t: torch.Tensor) -> torch.Tensor:
-        return random_tensor(tuple(t.shape), t.dtype, self.gen)
-
-    def slots(self) -> list[Slot]:
-        """Every tensor's place in dicts and lists (a loop, not a recursive closure, whose
-        cycle would keep the tensors alive until the collector runs)."""
-        out: list[Slot] = []
-        stack: list[Any] = [self.sd]
-        while stack:
-            x = stack.pop()
-            items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
-            for k, v in items:
-                if isinstance(v, torch.Tensor):
-                    if k != "embedding":  # changed by change_embedding only
-                        out.append((x, k))
-                else:
-                    stack.append(v)
-        return out
-
-    def pick(self) -> tuple[Slot, torch.Tensor]:
-        slot = self.rng.choice(self.slots())
-        return slot, slot[0][slot[1]]
-
-    # -- changes --------------------------------------------------------------------------
-
-    def write(self, t: torch.Tensor, value: torch.Tensor) -> None:
-        """Write in place (bumping the counter); an inference tensor where it may be."""
-        with torch.inference_mode() if t.is_inference() else torch.no_grad():
-            t.copy_(value)
-
-    def change_in_place(self) -> None:
-        _, t = self.pick()
-        self.write(t, self.noise_like(t))
-
-    def change_through_a_view(self) -> None:
-        _, t = self.pick()
-        if t.numel():
-            view = t.as_strided((1,), (1,), t.storage_offset())  # shares t's counter
-            self.write(view, self.noise_like(view))
-
-    def change_metadata(self) -> None:
-        (box, key), t = self.pick()
-        how = self.rng.choice(("t", "flat", "tail", "dtype", "param", "detach"))
-        if how == "t" and t.dim() == 2:
-            box[key] = t.t()
-        elif how == "flat" and t.is_contiguous():
-            box[key] = t.view(-1)
-        elif how == "tail" and t.dim() and t.shape[0] > 1:
-            box[key] = t[1:]
-        elif how == "dtype":
-            box[key] = t.to(self.rng.choice(DTYPES))
-        elif how == "param" and not t.is_inference():
-            grad = t.is_floating_point() and self.rng.random() < 0.5
-            box[key] = torch.nn.Parameter(t.detach(), requires_grad=grad)
-        elif how == "detach":
-            box[key] = t.detach()  # the same counter: nothing to re-copy
-
-    def change_aliasing(self) -> None:
-        (box, key), t = self.pick()
-        _, other = self.pick()
-        how = self.rng.choice(("same", "view", "unshare"))
-        if how == "same":
-            box[key] = other
-        elif how == "view" and other.dim() and other.shape[0] > 1:
-            box[key] = other[: other.shape[0] // 2]
-        elif how == "unshare":
-            box[key] = t.clone()
-
-    def free_and_reallocate(self) -> None:
-        """The storage of a tensor is freed (or its memory re-allocated) and new tensors
-        may take its memory: nothing may be taken for unchanged by its address."""
-        (box, key), t = self.pick()
-        how = self.rng.choice(("set_", "data", "set_new", "resize_storage", "resize_tensor"))
-        if (t.is_inference() or t.requires_grad) and how in ("set_", "data", "set_new", "resize_tensor"):
-            how = "resize_storage"  # the others are refused on these
-        if how == "set_":
-            box[key] = self.freed_and_replaced(t)
-        elif how == "data":
-            with torch.no_grad():
-                t.data = self.noise_like(t)
-        elif how == "set_new":
-            fresh = self.noise_like(t).contiguous()
-            with torch.no_grad():
-                t.set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())
-        elif how == "resize_storage":
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            storage.resize_(0)
-            self.tensor(1)  # allocations that may take the freed memory
-            storage.resize_(nbytes)
-            # The memory is new and its bytes undefined: write every one, through a tensor
-            # of the state_dict (a write that bumps no counter is not seen, as documented).
-            with torch.inference_mode() if t.is_inference() else torch.no_grad():
-                raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-                raw.copy_(random_tensor((nbytes,), torch.uint8, self.gen))
-                t.add_(0) if t.dtype is not torch.bool else t.logical_or_(t)
-        elif how == "resize_tensor":
-            shape = tuple(t.shape)
-            with torch.no_grad():
-                t.resize_(0)
-                t.resize_(shape)  # contiguous strides again; bumps the counter
-
-    def freed_and_replaced(self, t: torch.Tensor) -> torch.Tensor:
-        """Free ``t``'s storage (``set_()``) and make a tensor of its size at once (it gets
-        the freed memory, most often) whose counter has the value ``t``'s had: counters of
-        tensors updated in step (an optimizer's) hold equal values all the time."""
-        shape, dtype, version = tuple(t.shape), t.dtype, t._version
-        value = self.noise_like(t)
-        with torch.no_grad():
-            t.set_()  # type: ignore[call-overload]
-        fresh = torch.empty(shape, dtype=dtype)
-        torch._C._autograd._unsafe_set_version_counter((fresh,), (max(0, version - 1),))
-        fresh.copy_(value)  # the counter as it was
-        return fresh
-
-    def change_embedding(self) -> None:
-        if self.rng.random() < 0.5:
-            self.sd["embedding"] = self.freed_and_replaced(self.sd["embedding"])
-        else:
-            self.write(self.sd["embedding"], self.noise_like(self.sd["embedding"]))
-
-    def change_structure(self) -> None:
-        how = self.rng.choice(("add", "remove", "append", "lr_type", "lr_back"))
-        sd = self.sd
-        if how == "add" and len(self.slots()) < MAX_TENSORS:
-            self.counter += 1
-            sd["model"][f"extra{self.counter}"] = self.tensor()
-        elif how == "remove":
-            extras = [k for k in sd["model"] if k.startswith("extra")]
-            if extras:
-                del sd["model"][self.rng.choice(extras)]
-        elif how == "append" and len(self.slots()) < MAX_TENSORS:
-            sd["buffers"].append(self.tensor())
-        elif how == "lr_type":
-            sd["optim"]["param_groups"][0]["lr"] = torch.float16  # a scalar turned into a dtype
-        elif how == "lr_back":
-            sd["optim"]["param_groups"][0]["lr"] = self.rng.random()
-
-    def change_scalars(self) -> None:
-        self.sd["step"] += 1
-        group = self.sd["optim"]["param_groups"][0]
-        if isinstance(group["lr"], float):
-            group["lr"] *= 0.9
-
-    def change_inference(self) -> None:
-        (box, key), t = self.pick()
-        if self.rng.random() < 0.5:
-            with torch.inference_mode():
-                box[key] = self.noise_like(t).clone()
-        else:
-            self.write(self.sd["ema"], self.noise_like(self.sd["ema"]))
-
-    def step(self) -> None:
-        """Between zero and three random changes, most often one."""
-        changes: list[Callable[[], None]] = [
-            self.change_in_place,
-            self.change_in_place,
-            self.change_through_a_view,
-            self.change_metadata,
-            self.change_aliasing,
-            self.free_and_reallocate,
-            self.free_and_reallocate,
-            self.change_structure,
-            self.change_scalars,
-            self.change_inference,
-            self.change_embedding,
-        ]
-        for _ in range(self.rng.choice((0, 1, 1, 1, 2, 3))):
-            self.rng.choice(changes)()
+RANKS = 2
+REPLICATIONS = 10 * SCALE
+"""Rounds of ``replicate()`` per case on each rank."""
+REPLICATED_SAVES = 5 * SCALE
+KEEP = 2
+EXCHANGE_SECONDS = 30.0
+"""A ``ReplicationStager``'s timeout: a rank that fails an assertion leaves its peer
+waiting at most this long in the next exchange."""
+GROUP_SECONDS = 120.0 * SCALE
+"""The whole group's run (and its process group's timeout)."""
+REPLICATION_CASES = (  # skip_unchanged, capped, keep
+    (False, False, None),
+    (True, False, KEEP),
+    (False, True, KEEP),
+    (True, True, None),
+)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -323,3 +126,175 @@ async def test_every_save_restores_as_the_state_dict_was(tmp_path: Path, skip: b
         for step, snap in snaps.items():
             assert_matches(await fresh.restore(step), snap, f"restored step {step}")
     await stager.aclose()
+
+
+def test_walking_a_tree_keeps_nothing_alive() -> None:
+    """The oracle's and the driver's walks leave no reference cycle: a tensor they listed is
+    freed as soon as the caller drops it, not when the cyclic collector runs (until then,
+    under a memory cap, a dropped copy's buffers cannot come back and the next stage waits)."""
+    world = World(0)
+    gc.disable()
+    try:
+        tensor = torch.ones(3)
+        tree = {"a": [tensor, (tensor.view(3, 1),)], "b": Point(tensor, "p")}
+        alive = weakref.ref(tensor)
+        found, slots, snap = tensors_of(tree), world.slots(), take(tree)
+        assert len(found) == 3
+        assert slots
+        assert len(snap.metas) == 3
+        del found, slots, snap, tree, tensor
+        assert alive() is None, "the walk's result outlived its last reference"
+    finally:
+        gc.enable()
+
+
+# -- replication: a real 2-rank gloo group -------------------------------------------------
+
+
+async def gather(item: Any) -> list[Any]:
+    """``item`` of every rank (plain data, pickled by torch), in rank order."""
+    out: list[Any] = [None] * dist.get_world_size()
+    await anyio.to_thread.run_sync(dist.all_gather_object, out, item)
+    return out
+
+
+async def replicate_rounds(rank: int, world_size: int, root: str, seed: int) -> list[int]:
+    """Each case: a random sequence replicated round by round; after each round the replica
+    this rank holds (its file, and ``result.replica``) is the peer's snapshot of that round,
+    replicas held a while still are theirs, and ``recover()`` gives this rank its last state.
+
+    :returns: the bytes ``skip_unchanged`` skipped, per case.
+    """
+    skipped: list[int] = []
+    for case, (skip, capped, keep) in enumerate(REPLICATION_CASES):
+        world = World(1000 * seed + 10 * case + rank)
+        rng = world.rng
+        held: list[tuple[Any, Digest, int]] = []  # replicas kept a while: their buffers are not reused
+        kept_copies: list[tuple[Any, Snapshot, int]] = []  # own copies neither released nor dropped
+        case_skipped = 0
+        snap: Snapshot | None = None
+        storage = Path(root) / f"rank{rank}" / f"case{case}"
+        options = StagingOptions(skip_unchanged=skip, max_staging_bytes=CAP if capped else None)
+        about = f"seed {seed} rank {rank} (skip_unchanged={skip}, capped={capped}, keep={keep})"
+        async with astage.ReplicationStager(
+            storage_dir=storage, timeout=EXCHANGE_SECONDS, options=options, keep=keep
+        ) as rs:
+            for step in range(REPLICATIONS):
+                world.step()
+                snap = take(world.sd)
+                where = f"{about} step {step}"
+                with anyio.fail_after(GUARD_SECONDS):
+                    result = await rs.replicate(world.sd, step=step)
+                # Before any check, so that a rank that fails one leaves no peer waiting here.
+                want = (await gather(digest(snap)))[result.recv_from]
+                assert_matches(result.staged, snap, f"{where}: own copy")
+                assert result.stats.stage is not None
+                case_skipped += result.stats.stage.bytes_skipped
+                peer = f"{where}: the replica of rank {result.recv_from}"
+                assert_matches_digest(
+                    await astage.load_checkpoint_file(result.replica_path), want, f"{peer} (file)"
+                )
+                assert_matches_digest(result.replica, want, peer)
+                for replica, its_digest, its_step in held:
+                    assert_matches_digest(
+                        replica, its_digest, f"{where}: the replica of step {its_step}, held"
+                    )
+                for copy, its_snap, its_step in kept_copies:
+                    assert_matches(copy, its_snap, f"{where}: the copy of step {its_step}, kept")
+                fate = rng.random()
+                if fate < 0.7:
+                    await rs.stager.release(result.staged)
+                elif fate > 0.85 and not capped and len(kept_copies) < 2:
+                    kept_copies.append((result.staged, snap, step))
+                # else dropped with the result
+                if kept_copies and rng.random() < 0.3:
+                    copy, _, _ = kept_copies.pop(0)
+                    await rs.stager.release(copy)
+                    del copy
+                if rng.random() < 0.2 and len(held) < 3:
+                    held.append((result.replica, want, step))
+                if held and rng.random() < 0.3:
+                    held.pop(rng.randrange(len(held)))
+                del result
+            with anyio.fail_after(GUARD_SECONDS):
+                back = await rs.recover()
+            assert snap is not None
+            assert_matches(back, snap, f"{about}: recovered from the peer")
+        kept = sorted(info.step for info in await anyio.to_thread.run_sync(astage.find_replicas, storage))
+        assert kept == list(range(REPLICATIONS))[-(keep or 1) :], f"{about}: replica files of steps {kept}"
+        skipped.append(case_skipped)
+    return skipped
+
+
+async def save_and_restore(rank: int, world_size: int, root: str, seed: int) -> int:
+    """A random sequence saved by a Checkpointer that replicates; the peer's replica files
+    are its snapshots; then one rank loses its directory and a collective ``restore()``
+    gives every rank its snapshot of the latest step, and ``restore(step)`` an earlier one.
+
+    :returns: the bytes ``skip_unchanged`` skipped.
+    """
+    skip = bool(seed % 2)
+    lost = seed % world_size  # the rank whose checkpoint directory is lost before restoring
+    world = World(1000 * seed + 500 + rank)
+    node = Path(root) / f"node{rank}"
+    about = f"seed {seed} rank {rank} (skip_unchanged={skip})"
+    snaps: dict[int, Snapshot] = {}
+    handles: list[astage.SaveHandle] = []
+    stager = DefaultStager(StagingOptions(skip_unchanged=skip, max_staging_bytes=2 * CAP))
+    rs = astage.ReplicationStager(storage_dir=node / "replicas", timeout=EXCHANGE_SECONDS, keep=KEEP)
+    async with (
+        rs,
+        astage.Checkpointer(node / "ckpt", rank=rank, keep=KEEP, stager=stager, replication=rs) as ckpt,
+    ):
+        for step in range(REPLICATED_SAVES):
+            world.step()
+            snaps[step] = take(world.sd)
+            with anyio.fail_after(GUARD_SECONDS):
+                handles.append(await ckpt.save(step, world.sd))
+        with anyio.fail_after(GUARD_SECONDS):
+            saved = [await handle.wait() for handle in handles]
+    await stager.aclose()
+    skipped = sum(stats.stage.bytes_skipped for stats in saved if stats.stage is not None)
+    kept = list(range(REPLICATED_SAVES))[-KEEP:]
+    peers = await gather({step: digest(snaps[step]) for step in kept})
+    held = await anyio.to_thread.run_sync(rs.held_replicas)
+    assert sorted(held) == kept, f"{about}: replicas of steps {sorted(held)}"
+    for step, path in held.items():
+        want = peers[rs.recv_from][step]
+        assert_matches_digest(
+            await astage.load_checkpoint_file(path), want, f"{about}: replica of step {step}"
+        )
+
+    if rank == lost:  # its node replaced: only its replica directory is left
+        await anyio.to_thread.run_sync(shutil.rmtree, node / "ckpt")
+    rs = astage.ReplicationStager(storage_dir=node / "replicas", timeout=EXCHANGE_SECONDS, keep=KEEP)
+    async with rs, astage.Checkpointer(node / "ckpt", rank=rank, keep=KEEP, replication=rs) as ckpt:
+        with anyio.fail_after(GUARD_SECONDS):
+            restored = await ckpt.restore()
+        assert_matches(restored, snaps[kept[-1]], f"{about}: restored (lost rank {lost})")
+        del restored
+        with anyio.fail_after(GUARD_SECONDS):
+            restored = await ckpt.restore(kept[0])
+        assert_matches(restored, snaps[kept[0]], f"{about}: restored step {kept[0]} (lost rank {lost})")
+    return skipped
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_every_replica_is_the_peer_state_dict_as_it_was(tmp_path: Path, backend: str) -> None:
+    seed = SEEDS[0]
+    results = run_group(RANKS, replicate_rounds, str(tmp_path), seed, timeout=GROUP_SECONDS, backend=backend)
+    skipped = [r.unwrap() for r in results]
+    for case, (skip, _, _) in enumerate(REPLICATION_CASES):
+        if skip:
+            assert all(s[case] for s in skipped), "no replicate() skipped anything: skip_unchanged untested"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("seed", [2 * SEEDS[0], 2 * SEEDS[0] + 1], ids=["full-lose-rank0", "skip-lose-rank1"])
+def test_every_replicated_save_restores_as_the_state_dict_was(
+    tmp_path: Path, backend: str, seed: int
+) -> None:
+    results = run_group(RANKS, save_and_restore, str(tmp_path), seed, timeout=GROUP_SECONDS, backend=backend)
+    skipped = [r.unwrap() for r in results]
+    if seed % 2:
+        assert all(skipped), "no save skipped anything: skip_unchanged untested"
