@@ -27,8 +27,16 @@ def format_key_path(path: Sequence[object]) -> str:
         if isinstance(entry, Attr):
             parts.append(f".{entry.name}")
         else:
-            parts.append(f"[{entry!r}]")
+            parts.append(f"[{shown_key(entry)}]")
     return "".join(parts)
+
+
+def shown_key(key: object) -> str:
+    """``repr(key)``, but an int too long for Python to print (past its 4,300-digit limit,
+    where ``repr`` raises ``ValueError``) as its size: an error about it must not fail."""
+    if type(key) is int and key.bit_length() > 10_000:
+        return f"<int of {key.bit_length()} bits>"
+    return repr(key)
 
 
 class Attr:

@@ -25,7 +25,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 import torch
 
-from ._errors import Attr, KeyPath, UnsupportedInputError, format_key_path
+from ._errors import Attr, KeyPath, UnsupportedInputError, format_key_path, shown_key
 from ._format_spec import (
     _ID_CAP,
     _LEAF_DECODERS,
@@ -304,7 +304,7 @@ class _TreeEncoder:
             try:
                 json_keys.append(_scalar(key))
             except (TypeError, ValueError) as exc:
-                raise UnsupportedInputError(path, f"dict key {key!r} is not allowed: {exc}") from exc
+                raise UnsupportedInputError(path, f"dict key {shown_key(key)} is not allowed: {exc}") from exc
         if json_keys.count(_NAN_KEY) > 1:
             raise UnsupportedInputError(path, "several NaN dict keys would read back as one")
         return json_keys

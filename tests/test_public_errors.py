@@ -8,6 +8,7 @@ runs a task group on the way.  Real gloo groups of 2 processes, under asyncio an
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,25 @@ async def test_one_error_raises_an_error_of_the_body_as_it_is() -> None:
         await fail_in_body(error)
     assert info.value is error
     assert info.value.__cause__ is cause
+
+
+HUGE = 10**5000
+"""An int key Python refuses to print (past its 4,300-digit limit): ``repr`` raises ValueError."""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("state_dict", "path"),
+    [
+        ({HUGE: torch.zeros(1)}, ()),  # staged, but no file holds the key
+        ({"a": {HUGE: {"b": threading.Lock()}}}, ("a", HUGE, "b")),  # refused below the key
+    ],
+)
+async def test_a_key_python_cannot_print_is_named_not_a_raw_value_error(
+    tmp_path: Path, state_dict: dict[Any, Any], path: tuple[Any, ...]
+) -> None:
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(UnsupportedInputError) as info:
+            await (await ckpt.save(1, state_dict)).wait()
+    assert info.value.key_path == path
+    assert f"<int of {HUGE.bit_length()} bits>" in str(info.value)
