@@ -289,7 +289,8 @@ class Checkpointer(AsyncResource):
     :param replication: called with each staged copy after the local write (see
         :class:`Replicator`); not closed by the Checkpointer.
     :param keep: committed steps to keep (the highest; the step just saved is always
-        kept); ``None`` keeps all.
+        kept); ``None`` keeps all.  Retention follows each commit in the background: until
+        it has run, up to ``max_in_flight + 1`` more committed steps may be on disk.
     :param max_in_flight: saves that may be persisting at once; more ``save`` calls wait.
     :param rank: this process's rank; names its files and the replicas it restores from.
     :param on_progress: called on the event loop with a :class:`SaveEvent` at each stage
@@ -673,10 +674,18 @@ class Checkpointer(AsyncResource):
                         await persister.discard(job)
                 job.before = None
                 assert self._slots is not None
-                self._slots.release()
-                del self._jobs[job.step]
-            # After the slot is free: the next save() need not wait for old steps' deletion.
-            if job.committed:
+                # Retention runs after the slot is free, so that the next save() need not
+                # wait for old steps' deletion; but at most one runs so: a save finishing
+                # while one still runs retires before it frees its slot.  Committed steps
+                # beyond ``keep`` are then at most ``max_in_flight + 1``, crash or not.
+                retired = job.committed and self._retiring is not None and self._retiring.locked()
+                try:
+                    if retired:
+                        await self._retire(job.step)
+                finally:
+                    self._slots.release()
+                    del self._jobs[job.step]
+            if job.committed and not retired:
                 await self._retire(job.step)
         finally:
             job.done.set()

@@ -890,8 +890,9 @@ async def _check_after_crash(directory: Path) -> int | None:
         if latest is not None:
             assert_same_tree(await ckpt.restore(), crash_state(latest))
             # keep=2, plus up to max_in_flight=2 committed just before the kill, before
-            # retention ran for them
-            assert len(ckpt.steps()) <= 4
+            # retention ran for them, plus one whose retention was running after its save
+            # freed its slot (a save's thread commits while the loop keeps the books)
+            assert len(ckpt.steps()) <= 5
     names = all_files(directory)
     assert no_temps(directory), names
     assert all(

@@ -121,6 +121,9 @@ def test_an_adapter_dropped_without_close_stops_its_thread() -> None:
     gc.collect()
     # The adapter's loop thread (and any thread closing it) ends: join them (hang detector).
     for thread in set(threading.enumerate()) - before:
+        # A thread listed while another thread's start() of it is under way cannot be
+        # joined yet: wait until it has started (threading keeps no public event for it).
+        assert thread._started.wait(HANG)  # type: ignore[attr-defined]
         thread.join(HANG)
         assert not thread.is_alive(), f"{thread.name} outlived its collected adapter"
     assert stager.closed  # the adapter owned it
