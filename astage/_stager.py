@@ -228,9 +228,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._loop_lock = threading.Lock()
         self._loop: object = None
         self._loop_users = 0
-        # The fast path (issue 11): the last plan in a form a later stage can check, how its
-        # storages are batched, a released copy kept to be refilled in place, and (with
-        # skip_unchanged) what the last stage copied.
+        # The fast path, so a repeated stage of one structure is re-checked, not re-planned:
+        # the last plan in a form a later stage can check, how its storages are batched, a
+        # released copy kept to be refilled in place, and (with skip_unchanged) what the
+        # last stage copied.
         self._fast: FastPlan | None = None
         self._layout: CopyLayout | None = None
         self._spare: _Spare | None = None
@@ -265,7 +266,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._closed = True
             await self._forget_plan()
             # Closing the pool first wakes every waiter; waiting for in-flight stages first
-            # hung forever when one waited for room that only its caller could free (issue 9).
+            # would hang forever when one waits for room that only its caller could free.
             await self._pool.aclose()
             while self._inflight:
                 self._idle = self._idle or anyio.Event()

@@ -12,7 +12,7 @@ import pytest
 
 import astage
 
-# The decided surface (issue 13); docs/api.rst says why each name is here.  A name added to
+# The decided surface; docs/api.rst says why each name is here.  A name added to
 # or dropped from astage.__all__ must be added or dropped here and explained there.
 PUBLIC = {
     # staging
