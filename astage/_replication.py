@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import anyio
 import anyio.abc
@@ -209,6 +209,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
         initialised process group, a rank outside ``process_group``, a group of one rank,
         an offset that maps a rank to itself, or a backend the transport cannot drive.
     """
+
+    accepts_encoded: ClassVar[bool] = True
+    """:meth:`replicate_staged` takes ``encoded=``: a Checkpointer hands it the encoding it
+    writes locally, so a save is encoded once (the optional capability of ``Replicator``)."""
 
     def __init__(
         self,
