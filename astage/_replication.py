@@ -153,12 +153,18 @@ class ReplicationResult:
     send_to: int
     recv_from: int
     stats: ReplicationStats
-    _body: torch.Tensor = dataclasses.field(repr=False)
+    # The received bytes, set by ``_with_body``: off the constructor, which users read.
+    _body: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     @functools.cached_property
     def replica(self) -> Any:
         """The peer's state_dict, rebuilt over the received bytes (verified; CPU)."""
         return decode(self.replica_header, self._body)
+
+    def _with_body(self, body: torch.Tensor) -> ReplicationResult:
+        """This result, holding the received replica's bytes for :attr:`replica`."""
+        object.__setattr__(self, "_body", body)  # frozen: set once, by its maker
+        return self
 
 
 def _check_call(step: object, checkpoint_id: object) -> None:
@@ -584,7 +590,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
             path,
             stats.seconds,
         )
-        return ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats, received.body)
+        result = ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats)
+        return result._with_body(received.body)
 
     async def _encode(
         self, staged: Any, step: int, ckpt: str, shared: Encoded | None, stats: StageStats | None

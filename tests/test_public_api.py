@@ -126,6 +126,29 @@ def test_the_first_release_names_of_the_file_readers_are_the_same_objects(old: s
     assert getattr(astage, old) is getattr(astage, new)
 
 
+def test_no_public_callable_takes_a_private_argument() -> None:
+    # A knob for astage's own use (an underscore name) does not belong on a signature users
+    # read, call and type-check against: constructors, public methods and functions alike.
+    for name in astage.__all__:
+        obj = getattr(astage, name)
+        if inspect.isclass(obj):
+            if issubclass(obj, BaseException):
+                continue
+            public = [a for a in dir(obj) if not a.startswith("_")]
+            callables = [obj, *(getattr(obj, a) for a in public if inspect.isroutine(getattr(obj, a)))]
+        elif callable(obj):
+            callables = [obj]
+        else:
+            continue
+        for item in callables:
+            try:
+                parameters = inspect.signature(item).parameters
+            except (TypeError, ValueError):  # no signature to read
+                continue
+            private = [p for p in parameters if p.startswith("_")]
+            assert not private, f"astage.{name}: {getattr(item, '__qualname__', item)} takes {private}"
+
+
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'BufferPools'"):
         _ = astage.BufferPools  # type: ignore[attr-defined]

@@ -549,8 +549,6 @@ BAD_ARGUMENTS: dict[str, tuple[Callable[[], object], str]] = {
     "event_strategy=bogus": (lambda: DefaultStager(event_strategy="bogus"), "event_strategy"),  # type: ignore[arg-type]
     "event_strategy=None": (lambda: DefaultStager(event_strategy=None), "event_strategy"),  # type: ignore[arg-type]
     "options=dict": (lambda: DefaultStager({"use_async_staging": False}), "options"),  # type: ignore[arg-type]
-    "_strict=1": (lambda: DefaultStager(_strict=1), "_strict"),  # type: ignore[arg-type]
-    "_retain_buffers=None": (lambda: DefaultStager(_retain_buffers=None), "_retain_buffers"),  # type: ignore[arg-type]
     "cache='yes'": (lambda: BlockingStager("yes"), "cache_staged_state_dict"),  # type: ignore[arg-type]
     "type_check=1": (lambda: BlockingStager(type_check=1), "type_check"),  # type: ignore[arg-type]
     "kind='plain'": (lambda: BufferPool("plain"), "kind"),  # type: ignore[arg-type]
