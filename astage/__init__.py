@@ -28,17 +28,10 @@ from ._errors import UnsupportedInputError as UnsupportedInputError
 from ._events import wait_event as wait_event
 from ._options import StagingOptions as StagingOptions
 from ._persist import CheckpointFileInfo as CheckpointFileInfo
-
-# The first release's names for the file readers ("replica" named the format too): the
-# same objects, public and without a warning, so code written against them keeps working.
-from ._persist import ReplicaInfo as ReplicaInfo
 from ._persist import find_replicas as find_replicas
 from ._persist import inspect_checkpoint_file as inspect_checkpoint_file
-from ._persist import inspect_replica as inspect_replica
 from ._persist import load_checkpoint_file as load_checkpoint_file
 from ._persist import load_checkpoint_file_sync as load_checkpoint_file_sync
-from ._persist import load_replica as load_replica
-from ._persist import load_replica_sync as load_replica_sync
 from ._persist import sweep_stale_temps as sweep_stale_temps
 from ._pool import PoolStats as PoolStats
 from ._replication import ReplicationPhase as ReplicationPhase
@@ -90,7 +83,6 @@ __all__ = [
     "PeerTimeoutError",
     "PersistError",
     "PoolStats",
-    "ReplicaInfo",
     "ReplicaSource",
     "ReplicationPhase",
     "ReplicationResult",
@@ -108,11 +100,8 @@ __all__ = [
     "__version__",
     "find_replicas",
     "inspect_checkpoint_file",
-    "inspect_replica",
     "load_checkpoint_file",
     "load_checkpoint_file_sync",
-    "load_replica",
-    "load_replica_sync",
     "sweep_stale_temps",
     "wait_event",
 ]

@@ -82,15 +82,20 @@ class Replicator(Protocol):
 
     ``replicate_staged`` is called once per staged save, in save order, while the local
     file is written; it must not change the staged copy.  An exception fails the save.
+
+    One optional capability, declared rather than guessed from the method's signature: a
+    class whose ``replicate_staged`` also takes an ``encoded`` keyword argument says so with
+    the class attribute ``accepts_encoded = True``, in the same class body that defines
+    ``replicate_staged``.  The Checkpointer then passes ``encoded=``, the save's
+    :class:`astage._format.Encoded` replica (owner this rank, no holder), encoded and
+    checksummed once for the local file and the replica alike.  Without the declaration (or
+    in a subclass that overrides ``replicate_staged`` without repeating it) the method is
+    called with ``staged``, ``step`` and ``checkpoint_id`` only.
+    :class:`astage.ReplicationStager` declares it.
     """
 
     async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> object:
-        """Send or store a replica of an already staged state_dict.
-
-        An implementation that also takes an ``encoded`` keyword argument gets the save's
-        :class:`astage._format.Encoded` replica (owner this rank, no holder), encoded and
-        checksummed once for the local file and the replica alike.
-        """
+        """Send or store a replica of an already staged state_dict."""
         ...
 
 

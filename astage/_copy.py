@@ -69,7 +69,7 @@ _BIT_COPIED: frozenset[torch.dtype] = frozenset(
 A storage is copied through one of its own tensors only when that tensor has one of these
 dtypes; any other storage is copied through byte views.  ``bool`` is why this is an allow
 list: its kernel normalises each byte to 0 or 1, so a ``uint8`` storage viewed as ``bool``
-lost every other value (issue 9).  Others have no kernel (``int1``..``int7``, quantized)
+lost every other value.  Others have no kernel (``int1``..``int7``, quantized)
 or are too new to trust (float8, ``complex32``); copying those as bytes costs one tensor
 object per storage, nothing more.
 """

@@ -352,7 +352,8 @@ class _Matcher:
 
     def dict_items(self, node: DictNode, x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         """The values and attribute values of dict ``x`` if its type, keys and attribute
-        names are ``node``'s; one snapshot, taken before the walk yields (issue 9)."""
+        names are ``node``'s; one snapshot, taken before the walk yields, so
+        another task that changes ``x`` meanwhile cannot tear the walk."""
         proto = node.prototype
         if type(x) is not (dict if proto is None else type(proto)):
             return None

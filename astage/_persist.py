@@ -925,14 +925,3 @@ def find_replicas(storage_dir: str | os.PathLike[str]) -> list[CheckpointFileInf
             log.warning("skipping an invalid replica: %s", exc)
     found.sort(key=lambda r: (r.mtime, r.created, str(r.path)), reverse=True)
     return found
-
-
-# The names of the first release, when "replica" named the file format too.  They stay, as
-# the very same objects and without a warning, so code written against them keeps working.
-ReplicaInfo = CheckpointFileInfo
-ReplicaWriter = CheckpointFileWriter
-REPLICA_SUFFIX = FILE_SUFFIX
-load_replica = load_checkpoint_file
-load_replica_sync = load_checkpoint_file_sync
-inspect_replica = inspect_checkpoint_file
-write_replica = write_checkpoint_file

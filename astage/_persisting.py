@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 import threading
@@ -143,12 +142,16 @@ def _blocking_replicator(replication: Replicator | None) -> ReplicationStager | 
 
 
 def _takes_encoded(replication: Replicator) -> bool:
-    """Whether ``replication.replicate_staged`` accepts ``encoded=`` (see ``Replicator``)."""
-    try:
-        parameters = inspect.signature(replication.replicate_staged).parameters
-    except (TypeError, ValueError):  # no signature to read: call it the plain way
-        return False
-    return "encoded" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    """Whether ``replication`` declares that its ``replicate_staged`` takes ``encoded=``.
+
+    The declaration (see ``Replicator``) is ``accepts_encoded = True`` in the body of the
+    class that defines ``replicate_staged``: a subclass that overrides the method without
+    declaring it again is called the plain way, whatever its parent declared.
+    """
+    for cls in type(replication).__mro__:
+        if "replicate_staged" in vars(cls):
+            return vars(cls).get("accepts_encoded", False) is True
+    return False
 
 
 class Persister:

@@ -111,7 +111,7 @@ Buffer = torch.UntypedStorage
 """One pooled staging storage, held as itself.
 
 No record object wraps it: a pool of 20,000 small buffers would keep 20,000 more objects
-for every full pass of the cyclic collector to rescan (issue 11).  Which copy holds a
+for every full pass of the cyclic collector to rescan.  Which copy holds a
 handed-out buffer is kept by the pool, by the storage's ``_cdata``.
 """
 
@@ -145,7 +145,7 @@ class PoolStats:
     waiters: int
     kept_bytes: int = 0
     """Of ``free_bytes``, the bytes of released copies their stager keeps whole, to refill in
-    place at its next stage of the same structure (issue 11)."""
+    place at its next stage of the same structure."""
 
 
 class BufferPool:

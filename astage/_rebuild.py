@@ -119,8 +119,8 @@ def plain_tensor_mode() -> Iterator[None]:
     """Create and write staged tensors as plain tensors, whatever mode the caller is in.
 
     Under ``torch.inference_mode()`` new tensors are inference tensors, which the worker
-    threads (outside that mode) may not write: ``stage()`` inside it always failed
-    (issue 9).  Gradients are off too: staging records no autograd history.
+    threads (outside that mode) may not write: without this, ``stage()`` inside that
+    mode would always fail.  Gradients are off too: staging records no autograd history.
     """
     with torch.inference_mode(False), torch.no_grad():
         yield

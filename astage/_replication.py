@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import anyio
 import anyio.abc
@@ -153,12 +153,18 @@ class ReplicationResult:
     send_to: int
     recv_from: int
     stats: ReplicationStats
-    _body: torch.Tensor = dataclasses.field(repr=False)
+    # The received bytes, set by ``_with_body``: off the constructor, which users read.
+    _body: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     @functools.cached_property
     def replica(self) -> Any:
         """The peer's state_dict, rebuilt over the received bytes (verified; CPU)."""
         return decode(self.replica_header, self._body)
+
+    def _with_body(self, body: torch.Tensor) -> ReplicationResult:
+        """This result, holding the received replica's bytes for :attr:`replica`."""
+        object.__setattr__(self, "_body", body)  # frozen: set once, by its maker
+        return self
 
 
 def _check_call(step: object, checkpoint_id: object) -> None:
@@ -209,6 +215,10 @@ class ReplicationStager(anyio.abc.AsyncResource):
         initialised process group, a rank outside ``process_group``, a group of one rank,
         an offset that maps a rank to itself, or a backend the transport cannot drive.
     """
+
+    accepts_encoded: ClassVar[bool] = True
+    """:meth:`replicate_staged` takes ``encoded=``: a Checkpointer hands it the encoding it
+    writes locally, so a save is encoded once (the optional capability of ``Replicator``)."""
 
     def __init__(
         self,
@@ -580,7 +590,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
             path,
             stats.seconds,
         )
-        return ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats, received.body)
+        result = ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats)
+        return result._with_body(received.body)
 
     async def _encode(
         self, staged: Any, step: int, ckpt: str, shared: Encoded | None, stats: StageStats | None

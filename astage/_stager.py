@@ -191,13 +191,28 @@ class DefaultStager(anyio.abc.AsyncResource):
         config: StagingOptions | TorchStagingOptions | None = None,
         threads: int = 2,
         event_strategy: Strategy = "poll",
-        _strict: bool = False,
-        _retain_buffers: bool = True,
     ) -> None:
+        self._set_up(options, config, threads, event_strategy, strict=False, retain_buffers=True)
+
+    def _set_up(
+        self,
+        options: StagingOptions | TorchStagingOptions | None,
+        config: StagingOptions | TorchStagingOptions | None,
+        threads: int,
+        event_strategy: Strategy,
+        *,
+        strict: bool,
+        retain_buffers: bool,
+    ) -> None:
+        """The constructor's work, with the two switches only :class:`BlockingStager` sets
+        (torch's ``type_check`` and ``cache_staged_state_dict``), kept off the public signature.
+
+        :param strict: planning refuses leaves that are not tensors, containers or plain
+            values instead of deep-copying them.
+        :param retain_buffers: released buffers are kept for the next stage.
+        """
         check_positive_int(f"{type(self).__name__}(threads=...)", threads)
         check_choice(f"{type(self).__name__}(event_strategy=...)", event_strategy, STRATEGIES)
-        check_bool(f"{type(self).__name__}(_strict=...)", _strict)
-        check_bool(f"{type(self).__name__}(_retain_buffers=...)", _retain_buffers)
         self.options = coerce_options(options, config)
         self._resolved: ResolvedOptions = self.options.resolve()
         r = self._resolved
@@ -205,11 +220,11 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._lanes = copy_lanes(threads)
         self._limiter: anyio.CapacityLimiter | None = None
         self._event_strategy: Strategy = event_strategy
-        self._strict = _strict
+        self._strict = strict
         self._pool = BufferPool(
             BufferKind.of(pinned=r.pinned, shared=r.shared),
             max_bytes=r.max_bytes,
-            retain=_retain_buffers,
+            retain=retain_buffers,
             allocate_inline=not r.async_copy,
         )
         # One side stream per device: the current device's is made here, on the constructing
@@ -228,9 +243,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._loop_lock = threading.Lock()
         self._loop: object = None
         self._loop_users = 0
-        # The fast path (issue 11): the last plan in a form a later stage can check, how its
-        # storages are batched, a released copy kept to be refilled in place, and (with
-        # skip_unchanged) what the last stage copied.
+        # The fast path, so a repeated stage of one structure is re-checked, not re-planned:
+        # the last plan in a form a later stage can check, how its storages are batched, a
+        # released copy kept to be refilled in place, and (with skip_unchanged) what the
+        # last stage copied.
         self._fast: FastPlan | None = None
         self._layout: CopyLayout | None = None
         self._spare: _Spare | None = None
@@ -265,7 +281,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._closed = True
             await self._forget_plan()
             # Closing the pool first wakes every waiter; waiting for in-flight stages first
-            # hung forever when one waited for room that only its caller could free (issue 9).
+            # would hang forever when one waits for room that only its caller could free.
             await self._pool.aclose()
             while self._inflight:
                 self._idle = self._idle or anyio.Event()
@@ -1068,14 +1084,19 @@ class BlockingStager(DefaultStager):
     def __init__(self, cache_staged_state_dict: bool = False, type_check: bool = False) -> None:
         check_bool("BlockingStager(cache_staged_state_dict=...)", cache_staged_state_dict)
         check_bool("BlockingStager(type_check=...)", type_check)
-        super().__init__(
+        # DefaultStager's private set-up, not its constructor: the public signature has no
+        # place for these two switches.
+        self._set_up(
             StagingOptions(
                 use_pinned_memory=None if cache_staged_state_dict else False,
                 use_async_staging=False,
                 use_non_blocking_copy=False,
             ),
-            _strict=type_check,
-            _retain_buffers=cache_staged_state_dict,
+            None,
+            2,
+            "poll",
+            strict=type_check,
+            retain_buffers=cache_staged_state_dict,
         )
         self.cache_staged_state_dict = cache_staged_state_dict
         self.type_check = type_check

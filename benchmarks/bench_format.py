@@ -1,4 +1,4 @@
-"""Replica format benchmark: header encode and decode cost per tensor (issue 11's 1 µs target).
+"""Replica format benchmark: header encode and decode cost per tensor (target: 1 µs).
 
 On ``small-20k`` (20,000 small fp32 tensors), times each step of the format, best of
 ``--runs``: ``lay_out`` (the walk that checks the staged tree and builds the header's tables

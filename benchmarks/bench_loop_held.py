@@ -1,4 +1,4 @@
-"""A save's progress while the training step holds the event loop (issue 21, item 9).
+"""A save's progress while the training step holds the event loop.
 
 The README's pattern runs a synchronous training step between two ``await``s: the step
 holds the event loop.  This benchmark trains with a synthetic step of ``--step-seconds``

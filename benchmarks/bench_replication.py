@@ -84,7 +84,7 @@ ASTAGE, RAW_X, RAW_W, TORCH = "astage", "raw exchange", "raw write+fsync", "torc
 RAW_SUM = "raw exchange + raw write+fsync"
 FLOOR = "overlap floor max(raw exchange, raw write+fsync)"
 FLOOR_TARGETS: dict[str, list[tuple[str, str, float]]] = {
-    # Issue 11: what an exchange overlapped with the durable write could reach.
+    # What an exchange overlapped with the durable write could reach.
     "gpt2-like": [("x floor", "<=", 1.1)],
     "small-20k": [("x floor", "<=", 1.3), ("x faster", ">=", 8.0)],
 }
@@ -364,7 +364,7 @@ def report_floor(result: CaseResult) -> tuple[str, list[dict[str, Any]]]:
     """astage against the overlap floor, max(raw exchange, raw write+fsync) each round, and torch.
 
     The floor is what a replication that overlaps the exchange with the durable write could
-    reach; the issue-11 targets beneath it are labelled so.
+    reach; the targets beneath it are labelled ``(overlap target)``.
     """
     times = result.runs_s[FLOOR]
     row = [
@@ -383,7 +383,7 @@ def report_floor(result: CaseResult) -> tuple[str, list[dict[str, Any]]]:
     for key, op, bound in targets:
         value = values[key]
         ok = value <= bound if op == "<=" else value >= bound
-        name = f"{names[key]} (issue 11)"
+        name = f"{names[key]} (overlap target)"
         checks.append({"target": name, "value": value, "bound": f"{op} {bound}", "pass": ok})
         lines.append([name, f"{value:.2f}x", f"{op} {bound}x", "PASS" if ok else "MISS"])
     text = "\n".join(

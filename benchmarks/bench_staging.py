@@ -162,7 +162,7 @@ class AstageIncremental(Astage):
 
 
 def skip_unchanged_available() -> bool:
-    """Whether this astage's ``StagingOptions`` has ``skip_unchanged`` (issue 11)."""
+    """Whether this astage's ``StagingOptions`` has ``skip_unchanged`` (older versions lack it)."""
     return "skip_unchanged" in {f.name for f in dataclasses.fields(astage.StagingOptions)}
 
 

@@ -87,9 +87,9 @@ def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
         raw = zip(runs["raw exchange"], runs["raw write+fsync"], strict=True)
         assert floor == [max(x, w) for x, w in raw]
         names = {t["target"] for t in payload["targets"][case]}
-        assert "astage / overlap floor (issue 11)" in names
+        assert "astage / overlap floor (overlap target)" in names
     small = {t["target"] for t in payload["targets"]["small-20k"]}
-    assert "torch _ReplicationStager / astage (issue 11)" in small
+    assert "torch _ReplicationStager / astage (overlap target)" in small
     for row in ("astage restore (lost rank)", "raw send (holder -> lost rank)", "raw send + raw write+fsync"):
         assert row in done.stdout
     assert set(results) == {"gpt2-like", "small-20k", "restore"}

@@ -146,7 +146,9 @@ class FetchingReplicator(DirectoryReplicator):
 
 class SharingReplicator(DirectoryReplicator):
     """A replicator that takes the save's encoded replica (``encoded=``) and writes it
-    relabelled, as :class:`astage.ReplicationStager` does."""
+    relabelled, as :class:`astage.ReplicationStager` does; it declares so."""
+
+    accepts_encoded = True
 
     def __init__(self, directory: Path) -> None:
         super().__init__(directory)
@@ -1058,3 +1060,59 @@ async def test_a_replicator_without_encoded_is_called_the_plain_way(tmp_path: Pa
         await (await ckpt.save(1, model_state(1))).wait()
     assert replicator.calls == [1]
     assert replica_path(tmp_path / "peer", owner_rank=0, holder_rank=1).exists()
+
+
+class UndeclaredReplicator(DirectoryReplicator):
+    """Takes ``encoded`` and any other keyword argument, but does not declare
+    ``accepts_encoded``: the Checkpointer must not pass them on the strength of a signature."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.extra: list[dict[str, Any]] = []
+
+    async def replicate_staged(  # type: ignore[override]
+        self,
+        staged: Any,
+        *,
+        step: int,
+        checkpoint_id: str,
+        encoded: astage._format.Encoded | None = None,
+        **more: Any,
+    ) -> Path:
+        self.extra.append({"encoded": encoded, **more})
+        return await super().replicate_staged(staged, step=step, checkpoint_id=checkpoint_id)
+
+
+class PlainOverride(SharingReplicator):
+    """Inherits the declaration but overrides ``replicate_staged`` without repeating it."""
+
+    async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> Path:  # type: ignore[override]
+        plain = super(SharingReplicator, self).replicate_staged  # DirectoryReplicator's
+        return await plain(staged, step=step, checkpoint_id=checkpoint_id)
+
+
+@pytest.mark.anyio
+async def test_a_replicator_that_only_accepts_encoded_without_declaring_it_is_called_the_plain_way(
+    tmp_path: Path,
+) -> None:
+    replicator = UndeclaredReplicator(tmp_path / "peer")
+    async with astage.Checkpointer(tmp_path / "ckpt", replication=replicator) as ckpt:
+        await (await ckpt.save(1, model_state(1))).wait()
+    assert replicator.calls == [1]
+    assert replicator.extra == [{"encoded": None}]
+
+
+@pytest.mark.anyio
+async def test_a_subclass_that_overrides_replicate_staged_without_the_declaration_is_called_the_plain_way(
+    tmp_path: Path,
+) -> None:
+    replicator = PlainOverride(tmp_path / "peer")
+    async with astage.Checkpointer(tmp_path / "ckpt", replication=replicator) as ckpt:
+        await (await ckpt.save(1, model_state(1))).wait()
+    assert replicator.calls == [1]
+    assert replicator.received == []
+    assert replica_path(tmp_path / "peer", owner_rank=0, holder_rank=1).exists()
+
+
+def test_replication_stager_declares_that_it_accepts_encoded() -> None:
+    assert vars(astage.ReplicationStager)["accepts_encoded"] is True

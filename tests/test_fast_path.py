@@ -1,4 +1,4 @@
-"""The staging fast path (issue 11): a re-checked plan, released copies refilled in place,
+"""The staging fast path: a re-checked plan, released copies refilled in place,
 ``skip_unchanged``.
 
 Every change a later state_dict may bring must be seen: the re-check never trusts object
@@ -240,7 +240,7 @@ async def test_a_refused_stage_drops_the_kept_copy_and_the_next_stage_is_faithfu
 @pytest.mark.parametrize("change", ["reshape", "dtype", "shared", "set_"])
 async def test_a_released_copy_whose_last_tensor_fails_the_recheck_is_never_returned(change: str) -> None:
     # Many tensors, and the change in the very last one: a refill that copied the batches
-    # checked so far (issue 11's overlap) must drop that half-refilled copy.
+    # checked so far (the refill overlaps the re-check) must drop that half-refilled copy.
     sd = {f"k{i}": torch.full((16,), float(i)) for i in range(4096)}
     async with DefaultStager() as stager:
         staged = await stager.stage(sd)
@@ -575,7 +575,7 @@ async def test_a_steady_stage_leaves_no_objects_per_tensor_for_the_collector() -
 
 async def test_a_first_stage_keeps_few_objects_per_tensor_for_the_collector() -> None:
     # Every object a stager keeps is rescanned by each full collection of the program, and a
-    # first stage that keeps many triggers one on the loop thread (issue 11: ~200 ms for
+    # first stage that keeps many triggers one on the loop thread (~200 ms for
     # 20,000 tensors).  The staged tensor, its buffer's storage and the pool's record of it,
     # its TensorSpec and tree node are needed; sizes, signatures and storage specs are not.
     n = 2_000
@@ -595,7 +595,7 @@ async def test_a_first_stage_keeps_few_objects_per_tensor_for_the_collector() ->
 
 async def test_a_first_stage_runs_no_full_pass_and_leaves_its_objects_in_the_oldest_generation() -> None:
     # Survivors of young collections count toward CPython's full-collection trigger, and a
-    # full pass over a heap with torch loaded holds the loop 100-350 ms (issue 11).  So a
+    # full pass over a heap with torch loaded holds the loop 100-350 ms.  So a
     # first stage plans, and fills its copy, in collector pauses, and moves what it made
     # straight into the oldest generation, walking nothing.
     sd = {f"l{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000

@@ -1014,7 +1014,7 @@ def test_decode_checks_its_body_argument() -> None:
         verify_body(header, torch.zeros(header.body_nbytes - 1, dtype=torch.uint8))
 
 
-# -- the parse memory bound (issue 9, item 7) ---------------------------------------------------
+# -- the parse memory bound ----------------------------------------------------------------
 
 
 def _parse_peak(data: bytes) -> tuple[int, bool]:

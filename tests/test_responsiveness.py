@@ -73,8 +73,8 @@ async def test_heartbeat_keeps_ticking_while_staging_many_small_tensors() -> Non
 
         # The first stage, with the cyclic collector off: what astage itself holds the loop
         # for.  (With it on, a full collection triggered by the ~100,000 objects a first stage
-        # creates holds the loop 0.1-0.3 s on its own, whatever astage slices: issue 11's
-        # open item, not a slicing regression.)  Measured: holds up to ~0.04 s; staging these
+        # creates holds the loop 0.1-0.3 s on its own, whatever astage slices: the
+        # collector's cost, not a slicing regression.)  Measured: holds up to ~0.04 s; staging these
         # 20,000 tensors on the loop in one go would hold it 0.5 s or more.
         gc.disable()
         try:

@@ -21,7 +21,7 @@ def _two_full_slices(order: list[str]) -> Steps[None]:
 async def test_a_timer_due_during_a_slice_runs_before_the_next_slice() -> None:
     # asyncio queues a task that yields ahead of the timers that expired while it ran: with
     # one checkpoint a slice, a heartbeat waited for the next slice too (lag p99 ~1.7 ms
-    # with 0.5 ms slices, issue 11's bound being 2 ms).
+    # with 0.5 ms slices, against a 2 ms bound).
     order: list[str] = []
 
     async def beat() -> None:

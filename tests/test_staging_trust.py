@@ -1,12 +1,12 @@
-"""Staging that can be trusted blindly (issue 9): bytes, snapshots, refusals, modes, lifecycles.
+"""Staging that can be trusted blindly: bytes, snapshots, refusals, modes, lifecycles.
 
-* A storage is copied as bytes, whatever dtype views it (item 1).
+* A storage is copied as bytes, whatever dtype views it.
 * A container another task changes while ``stage()`` yields is staged as one of its states,
-  never torn, never a raw ``RuntimeError`` (item 4).
-* What cannot be copied faithfully is refused while planning, with its key path (item 11).
-* ``stage()`` works inside ``torch.inference_mode()`` and leaks no mode to other tasks (item 12).
+  never torn, never a raw ``RuntimeError``.
+* What cannot be copied faithfully is refused while planning, with its key path.
+* ``stage()`` works inside ``torch.inference_mode()`` and leaks no mode to other tasks.
 * Closing wakes waiters, every argument is validated, one event loop at a time, and
-  ``release()`` refuses what the stager never staged (item 14).
+  ``release()`` refuses what the stager never staged.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from astage._pool import BufferKind, BufferPool
 from tests.helpers import until
 from tests.statedicts import assert_same_tree, storage_key
 
-# -- item 1: a storage is copied as bytes --------------------------------------------------------
+# -- a storage is copied as bytes ----------------------------------------------------------------
 
 
 def _viewable_dtypes() -> list[torch.dtype]:
@@ -163,7 +163,7 @@ async def test_every_ordered_pair_of_dtypes_at_once(inline: bool) -> None:
         assert torch.equal(raw_bytes(first), raw_bytes(sd[key][0])), key
 
 
-# -- item 4: containers changed while stage() yields ---------------------------------------------
+# -- containers changed while stage() yields -----------------------------------------------------
 
 
 class Spy(list[Any]):
@@ -269,7 +269,7 @@ async def test_a_container_changed_during_the_walk_is_staged_as_one_of_its_state
         assert got in (before, after), "staged torn: matches neither state"
 
 
-# -- item 11: what cannot be copied faithfully is refused while planning --------------------------
+# -- what cannot be copied faithfully is refused while planning -----------------------------------
 
 
 class NeedsArgument:
@@ -433,7 +433,7 @@ def test_objects_rebuilt_from_their_attributes_still_stage() -> None:
     assert staged["global"] is typing.Any
 
 
-# -- item 12: torch.inference_mode ---------------------------------------------------------------
+# -- torch.inference_mode ------------------------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -476,7 +476,7 @@ async def test_staging_leaks_no_autograd_mode_to_other_tasks() -> None:
     assert seen == {(True, False)}
 
 
-# -- item 14: lifecycles -------------------------------------------------------------------------
+# -- lifecycles ----------------------------------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -549,8 +549,6 @@ BAD_ARGUMENTS: dict[str, tuple[Callable[[], object], str]] = {
     "event_strategy=bogus": (lambda: DefaultStager(event_strategy="bogus"), "event_strategy"),  # type: ignore[arg-type]
     "event_strategy=None": (lambda: DefaultStager(event_strategy=None), "event_strategy"),  # type: ignore[arg-type]
     "options=dict": (lambda: DefaultStager({"use_async_staging": False}), "options"),  # type: ignore[arg-type]
-    "_strict=1": (lambda: DefaultStager(_strict=1), "_strict"),  # type: ignore[arg-type]
-    "_retain_buffers=None": (lambda: DefaultStager(_retain_buffers=None), "_retain_buffers"),  # type: ignore[arg-type]
     "cache='yes'": (lambda: BlockingStager("yes"), "cache_staged_state_dict"),  # type: ignore[arg-type]
     "type_check=1": (lambda: BlockingStager(type_check=1), "type_check"),  # type: ignore[arg-type]
     "kind='plain'": (lambda: BufferPool("plain"), "kind"),  # type: ignore[arg-type]
@@ -707,7 +705,7 @@ async def test_release_refuses_what_this_stager_never_staged() -> None:
         await stager.release(staged)
         assert stager.pool_stats().handed_out_bytes == 0, "every buffer is back at once"
         await stager.release(staged)  # a second release of the same copy is a no-op
-        # The released copy is kept whole for the next stage to refill (issue 11), not emptied.
+        # The released copy is kept whole for the next stage to refill, not emptied.
         assert torch.equal(staged["a"], torch.ones(3))
         assert await stager.stage(source) is staged
     await stager.release(foreign)  # closed: buffers were let go already, nothing to do
