@@ -17,45 +17,20 @@ from typing import Any
 import anyio
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import astage
 from astage._format import decode, parse_prefix
 from astage._persist import find_replicas, load_checkpoint_file
 from tests.distributed import run_group
-
-_DIM = 8
-
-
-class _Block(nn.Module):
-    """A transformer block with separate q, k, v, o projections: 16 parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(_DIM), nn.LayerNorm(_DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(_DIM, _DIM) for _ in range(4))
-        self.up, self.down = nn.Linear(_DIM, 2 * _DIM), nn.Linear(2 * _DIM, _DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        att = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2), dim=-1) @ self.v(h)
-        x = x + self.o(att)
-        return x + self.down(torch.relu(self.up(self.norm2(x))))
+from tests.fsdp2_job import fsdp2_job, train_step
 
 
-def fsdp2_state(layers: int = 6) -> dict[str, Any]:
+def fsdp2_state() -> dict[str, Any]:
     """An FSDP2-sharded transformer's model and AdamW state after one step (this rank's)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(_DIM, _DIM), *(_Block() for _ in range(layers)), nn.Linear(_DIM, _DIM))
-    for block in model[1:-1]:
-        fully_shard(block)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 3, _DIM)).square().mean().backward()
-    optim.step()
+    model, optim = fsdp2_job()
+    train_step(model, optim, 1, dist.get_rank())
     model_sd, optim_sd = get_state_dict(model, optim)
     return {"model": model_sd, "optim": optim_sd, "step": 5}
 

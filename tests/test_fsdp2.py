@@ -8,87 +8,24 @@ shards bit for bit and train on with the very losses the uninterrupted job had.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import astage
 from tests.distributed import run_group
+from tests.fsdp2_job import fsdp2_job, train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 SAVE_EVERY = 5
 STEPS = 10  # saves at 5 and 10
 MORE = 3  # steps trained on after the last save, by the job and by its restored copy
-DIM, HEADS, LAYERS, VOCAB, SEQ = 32, 4, 6, 64, 8
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block with separate q/k/v projections: many small parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        batch, seq, _ = h.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, HEADS, DIM // HEADS).transpose(1, 2)
-
-        att = torch.softmax(
-            heads(self.q(h)) @ heads(self.k(h)).transpose(-1, -2) / math.sqrt(DIM // HEADS), -1
-        )
-        x = x + self.o((att @ heads(self.v(h))).transpose(1, 2).reshape(batch, seq, DIM))
-        return x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def _job(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)  # the same full model on every rank, then sharded
-    model = Model()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> float:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=gen)
-    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(1, 1).flatten())
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return float(loss.detach())
 
 
 def _checkpointer(root: Path, rank: int) -> astage.Checkpointer:
@@ -124,10 +61,10 @@ def _count_dtensors(state: Any) -> int:
 
 
 async def _train_and_save(rank: int, world_size: int, root: Path) -> dict[str, Any]:
-    model, optim = _job(rank)
+    model, optim = fsdp2_job()
     async with _checkpointer(root, rank) as ckpt:
         for step in range(1, STEPS + 1):
-            _train_step(model, optim, step, rank)
+            train_step(model, optim, step, rank)
             if step % SAVE_EVERY == 0:
                 model_sd, optim_sd = get_state_dict(model, optim)
                 state = {"model": model_sd, "optim": optim_sd, "step": step}
@@ -136,12 +73,12 @@ async def _train_and_save(rank: int, world_size: int, root: Path) -> dict[str, A
                 handle = await ckpt.save(step, state)
                 await handle.wait()
         assert ckpt.steps() == [SAVE_EVERY, STEPS]
-    losses = [_train_step(model, optim, step, rank) for step in range(STEPS + 1, STEPS + MORE + 1)]
+    losses = [train_step(model, optim, step, rank) for step in range(STEPS + 1, STEPS + MORE + 1)]
     return {"saved": saved, "losses": losses, "dtensors": dtensors}
 
 
 async def _restore_and_train(rank: int, world_size: int, root: Path) -> dict[str, Any]:
-    model, optim = _job(rank)
+    model, optim = fsdp2_job()
     model_sd, optim_sd = get_state_dict(model, optim)
     async with _checkpointer(root, rank) as ckpt:
         restored = await ckpt.restore()
@@ -152,7 +89,7 @@ async def _restore_and_train(rank: int, world_size: int, root: Path) -> dict[str
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
     model_sd, optim_sd = get_state_dict(model, optim)  # what the job trains on from here
     seen = _snapshot({"model": model_sd, "optim": optim_sd, "step": restored["step"]})
-    losses = [_train_step(model, optim, step, rank) for step in range(STEPS + 1, STEPS + MORE + 1)]
+    losses = [train_step(model, optim, step, rank) for step in range(STEPS + 1, STEPS + MORE + 1)]
     return {"seen": seen, "restored": _snapshot(restored), "losses": losses}
 
 
