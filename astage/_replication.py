@@ -421,12 +421,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
             deadline = time.monotonic() + self.timeout
             mine = encoded.relabel(owner_rank=self.rank, holder_rank=self.send_to)
             del encoded
-            path = replica_path(
-                self.storage_dir,
-                owner_rank=self.recv_from,
-                holder_rank=self.rank,
-                step=None if self.keep is None else step,
-            )
+            path = self._replica_path(step)
             try:
                 self._exchange_blocking(mine, path, deadline)
                 del mine
@@ -556,12 +551,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
                     encoded = await self._encode(staged, step, ckpt, shared, stage_stats)
                     del shared
             encoded_at = time.perf_counter()
-            path = replica_path(
-                self.storage_dir,
-                owner_rank=self.recv_from,
-                holder_rank=self.rank,
-                step=None if self.keep is None else step,
-            )
+            path = self._replica_path(step)
             try:
                 received, header, persist_started, acked = await self._exchange_and_keep(
                     encoded, path, deadline
@@ -767,6 +757,16 @@ class ReplicationStager(anyio.abc.AsyncResource):
         assert self.keep is not None
         held = self.held_replicas()
         return [held[step] for step in sorted(held, reverse=True)[self.keep :]]
+
+    def _replica_path(self, step: int) -> Path:
+        """Where this rank keeps the replica of ``step`` it holds for its peer (one file
+        for every step when ``keep`` is ``None``)."""
+        return replica_path(
+            self.storage_dir,
+            owner_rank=self.recv_from,
+            holder_rank=self.rank,
+            step=None if self.keep is None else step,
+        )
 
     async def _delete_retired(self) -> None:
         # One at a time, so that a cancellation leaves the rest listed (the sweep at the

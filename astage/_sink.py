@@ -100,12 +100,7 @@ class _StreamingSink:
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """The body buffer leased in :meth:`on_prefix` (the transport calls this next)."""
-        assert self.verifier is not None
-        expected = self.verifier.header.body_nbytes
-        if nbytes != expected:
-            raise IntegrityError(
-                f"rank {self.owner_rank} announces a {nbytes}-byte body, its header says {expected}"
-            )
+        _check_announced(self.verifier, self.owner_rank, nbytes)
         if self.lease is None:
             return torch.empty(0, dtype=torch.uint8)
         return torch.empty(0, dtype=torch.uint8).set_(self.lease.storages[0])
@@ -205,12 +200,7 @@ class _BlockingSink:
             self.error = exc
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        assert self.verifier is not None
-        expected = self.verifier.header.body_nbytes
-        if nbytes != expected:
-            raise IntegrityError(
-                f"rank {self.owner_rank} announces a {nbytes}-byte body, its header says {expected}"
-            )
+        _check_announced(self.verifier, self.owner_rank, nbytes)
         return self.body(nbytes)
 
     def on_chunk(self, offset: int, chunk: torch.Tensor) -> None:
@@ -245,3 +235,11 @@ class _BlockingSink:
     def close(self) -> None:
         """Discard the temp file unless committed."""
         self.writer.discard()
+
+
+def _check_announced(verifier: BodyVerifier | None, owner_rank: int, nbytes: int) -> None:
+    """The body size the transport announces must be the one the verified header says."""
+    assert verifier is not None
+    expected = verifier.header.body_nbytes
+    if nbytes != expected:
+        raise IntegrityError(f"rank {owner_rank} announces a {nbytes}-byte body, its header says {expected}")
