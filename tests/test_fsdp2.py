@@ -111,11 +111,14 @@ def _assert_same(expected: dict[str, Any], actual: dict[str, Any]) -> None:
         assert want == actual[path], path
 
 
-def test_fsdp2_job_saved_by_checkpointer_restores_bit_exact_and_trains_on(tmp_path: Path) -> None:
-    saved = [r.unwrap() for r in run_group(2, _train_and_save, tmp_path, timeout=180.0)]
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_fsdp2_job_saved_by_checkpointer_restores_bit_exact_and_trains_on(
+    tmp_path: Path, backend: str
+) -> None:
+    saved = [r.unwrap() for r in run_group(2, _train_and_save, tmp_path, timeout=180.0, backend=backend)]
     for result in saved:
         assert result["dtensors"] >= 300  # the family that broke: hundreds of DTensor notes
-    back = [r.unwrap() for r in run_group(2, _restore_and_train, tmp_path, timeout=180.0)]
+    back = [r.unwrap() for r in run_group(2, _restore_and_train, tmp_path, timeout=180.0, backend=backend)]
     for before, after in zip(saved, back, strict=True):
         _assert_same(before["saved"], after["restored"])
         _assert_same(before["saved"], after["seen"])
