@@ -642,7 +642,7 @@ def _iter_unwrap(columns: DTensorColumns, values: list[Any]) -> Steps[list[Any] 
     out = list(values)
     positions = columns.positions
     getter: Any = None
-    for start in range(0, len(positions), 2048):
+    for start in range(0, len(positions), _UNWRAP_BLOCK):
         end = start + _UNWRAP_BLOCK
         try:
             block = list(map(values.__getitem__, positions[start:end]))

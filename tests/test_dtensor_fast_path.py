@@ -123,6 +123,29 @@ async def test_repeated_stages_of_an_fsdp2_state_take_the_fast_path_and_are_bit_
             assert {p: _bits(v.to_local()) for p, v in _leaves(copy) if isinstance(v, DTensor)} == bits
 
 
+async def test_a_state_of_thousands_of_dtensors_takes_the_fast_path(one_rank_group: None) -> None:
+    # More DTensors than the re-check takes in one block, in dicts of 200 as a model's layers.
+    mesh = init_device_mesh("cpu", (1,))
+    sd = {
+        f"layer{i}": {
+            f"p{j}": DTensor.from_local(torch.randn(3 + j % 5), mesh, [Shard(0)]) for j in range(200)
+        }
+        for i in range(8)
+    }
+    async with DefaultStager() as stager:
+        staged = await stager.stage(sd)
+        fast = stager._fast
+        for step in range(3):
+            await stager.release(staged)
+            for layer in sd.values():
+                for t in layer.values():
+                    t.to_local().add_(step)
+            staged, stats = await stager.stage_with_stats(sd)
+            assert stager._fast is fast
+            assert stats.refilled
+            assert_staged_as(staged, sd)
+
+
 def _simple_state(mesh: DeviceMesh) -> dict[str, Any]:
     return {
         "model": {f"w{i}": DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]) for i in range(6)},
