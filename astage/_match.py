@@ -217,17 +217,28 @@ def _iter_dtensor_columns(source: PlannedSource) -> Steps[DTensorColumns | None]
             yield
     if not positions:
         return None
-    specs = [source.plan.tensors[p].dtensor_spec for p in positions]
-    getter = _spec_fields(type(specs[0]))
-    if set(map(type, specs)) != {type(specs[0])}:
-        return None  # (one torch has one spec class)
-    grads = tuple(source.plan.tensors[p].requires_grad for p in positions)
-    plain = [1] * len(source.plan.tensors)
-    for p in positions:
-        plain[p] = 0
-    return DTensorColumns(
-        tuple(positions), grads, tuple(map(_mesh, specs)), tuple(map(getter, specs)), tuple(plain)
-    )
+    tensors = source.plan.tensors
+    grads: list[bool] = []
+    meshes: list[Any] = []
+    fields: list[tuple[Any, ...]] = []
+    spec_cls = type(tensors[positions[0]].dtensor_spec)
+    getter = _spec_fields(spec_cls)
+    for start in range(0, len(positions), _UNWRAP_BLOCK):  # ~1 us a DTensor
+        specs = [tensors[p].dtensor_spec for p in positions[start : start + _UNWRAP_BLOCK]]
+        if set(map(type, specs)) != {spec_cls}:
+            return None  # (one torch has one spec class)
+        grads += (tensors[p].requires_grad for p in positions[start : start + _UNWRAP_BLOCK])
+        meshes += map(_mesh, specs)
+        fields += map(getter, specs)
+        if slice_over():
+            yield
+    plain = [1] * len(tensors)
+    for start in range(0, len(positions), 2048):
+        for p in positions[start : start + 2048]:
+            plain[p] = 0
+        if slice_over():
+            yield
+    return DTensorColumns(tuple(positions), tuple(grads), tuple(meshes), tuple(fields), tuple(plain))
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
