@@ -9,6 +9,8 @@ holding the source's bytes.
 
 from __future__ import annotations
 
+import os
+import random
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -260,6 +262,80 @@ async def test_skip_unchanged_copies_every_dtensor_again(one_rank_group: None) -
         again, stats = await stager.stage_with_stats(sd)
         assert stats.refilled
         assert_staged_as(again, sd)
+
+
+SOAK = int(os.environ.get("ASTAGE_SOAK_SCALE", "1"))
+
+
+def _random_change(sd: dict[str, Any], rng: random.Random, meshes: list[DeviceMesh]) -> str:
+    """One seeded random change to a DTensor of ``sd["model"]`` (or a plain one there), of
+    the kinds a job or an adversary makes between two stages; its name."""
+    key = rng.choice(list(sd["model"]))
+    t = sd["model"][key]
+    if not isinstance(t, DTensor):
+        sd["model"][key] = DTensor.from_local(t, rng.choice(meshes), [Shard(0)])
+        return "to DTensor"
+    local, mesh, placements = t._local_tensor, t.device_mesh, t.placements
+    kind = rng.choice(
+        ["write", "write local", "placements", "mesh", "clone", "set_", "grad", "to plain", "same spec anew"]
+    )
+    if kind == "write":
+        with torch.no_grad():
+            t.add_(1.0)
+    elif kind == "write local":
+        local.mul_(-1.0)
+    elif kind == "placements":
+        other = [Replicate()] if isinstance(placements[0], Shard) else [Shard(0)]
+        sd["model"][key] = DTensor.from_local(local, mesh, other)
+    elif kind == "mesh":
+        sd["model"][key] = DTensor.from_local(local, meshes[1 - meshes.index(mesh)], placements)
+    elif kind == "clone":
+        sd["model"][key] = DTensor.from_local(local.clone(), mesh, placements)
+    elif kind == "set_":
+        local.set_(torch.randn(local.numel() * 2).untyped_storage(), 0, local.shape, local.stride())
+    elif kind == "grad":
+        sd["model"][key] = t.detach().requires_grad_(not t.requires_grad)
+    elif kind == "to plain":
+        sd["model"][key] = local
+    else:  # a new DTensor object over the same local: still the fast path
+        sd["model"][key] = DTensor.from_local(local, mesh, placements)
+    return kind
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_random_dtensor_changes_between_stages_are_staged_bit_exact(
+    one_rank_group: None, seed: int
+) -> None:
+    rng = random.Random(seed)
+    meshes = [init_device_mesh("cpu", (1,)), DeviceMesh("cpu", [0], mesh_dim_names=("other",))]
+    sd = _simple_state(meshes[0])
+    held: list[tuple[Any, dict[str, Any]]] = []
+    options = StagingOptions(skip_unchanged=rng.random() < 0.5)
+    async with DefaultStager(options) as stager:
+        for _ in range(20 * SOAK):
+            for _ in range(rng.randrange(3)):
+                _random_change(sd, rng, meshes)
+            staged = await stager.stage(sd)
+            assert_staged_as(staged, sd)
+            if rng.random() < 0.7:
+                await stager.release(staged)
+            else:
+                held.append(
+                    (
+                        staged,
+                        {
+                            p: _bits(v.to_local() if isinstance(v, DTensor) else v)
+                            for p, v in _leaves(staged)
+                            if isinstance(v, torch.Tensor)
+                        },
+                    )
+                )
+        for copy, bits in held:  # a copy not released is never written
+            assert {
+                p: _bits(v.to_local() if isinstance(v, DTensor) else v)
+                for p, v in _leaves(copy)
+                if isinstance(v, torch.Tensor)
+            } == bits
 
 
 ID = "0" * 32
