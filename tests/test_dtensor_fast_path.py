@@ -411,5 +411,6 @@ async def _fsdp2_fast_stages(rank: int, world: int) -> int:
     return refills
 
 
-def test_two_ranks_of_an_fsdp2_job_refill_their_copies_at_every_repeated_stage() -> None:
-    assert [r.unwrap() for r in run_group(2, _fsdp2_fast_stages, timeout=120)] == [3, 3]
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_two_ranks_of_an_fsdp2_job_refill_their_copies_at_every_repeated_stage(backend: str) -> None:
+    assert [r.unwrap() for r in run_group(2, _fsdp2_fast_stages, timeout=120, backend=backend)] == [3, 3]
