@@ -278,7 +278,7 @@ class LayoutCache:
         :param copy: the stager's serial of the copy ``staged`` is (``StageStats.copy``).
 
         Meant for the background: it plans ``staged`` (about as long as ``lay_out``).  A tree
-        whose plan cannot be re-checked (DTensors, tensors with attributes, custom
+        whose plan cannot be re-checked (tensors with attributes, custom
         containers) is not kept; those saves are laid out in full every time.
         """
         try:

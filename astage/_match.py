@@ -3,7 +3,10 @@
 Planning 20,000 tensors costs more than copying them.  A later stage of a state_dict with
 the same structure re-uses the plan after checking, per tensor, everything the plan was
 derived from (:func:`iter_match`).  Object identity is never trusted: ``model.state_dict()``
-returns new tensor objects (and new dicts) every call.
+returns new tensor objects (and new dicts) every call.  A DTensor (every FSDP2
+``get_state_dict``, which returns new DTensors over the same local storages for parameters
+and the very same ones for optimizer state) is checked around its local tensor
+(:class:`DTensorColumns`) and its local as a plain tensor is.
 
 Reading a tensor's fields from Python costs ~0.1 us each, ten of them a tensor.  Where
 this torch has dynamo's C++ ``TensorGuards`` (type, dtype, dispatch keys, which carry the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import operator
 from collections.abc import Iterable, Sequence
@@ -26,7 +30,17 @@ from typing import Any, cast
 import torch
 
 from ._errors import Attr
-from ._plan import AtomNode, DictNode, Node, PlannedSource, SeqNode, StagePlan, TensorKind, TensorNode
+from ._plan import (
+    AtomNode,
+    DictNode,
+    Node,
+    PlannedSource,
+    SeqNode,
+    StagePlan,
+    TensorKind,
+    TensorNode,
+    dtensor_class,
+)
 from ._slices import Steps, iter_distinct, slice_over
 
 _TensorGuards: Any
@@ -144,6 +158,87 @@ class FastPlan:
     """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
     storage_of: Sequence[int] = ()
     """Each planned tensor's storage index, in plan order (a column made once per plan)."""
+    dtensors: DTensorColumns | None = None
+    """The plan's DTensors, as checked around their local tensors (``None``: there are none)."""
+    meta_signatures: tuple[tuple[Any, ...], ...] | None = None
+    """The signatures a staged copy's tensors have where they differ from the sources'
+    (``None``: they do not): a staged DTensor's local is a plain tensor without grad."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class DTensorColumns:
+    """What a plan's DTensors were besides their local tensors, a column each, in the
+    order of their plan positions.
+
+    A DTensor is the same as the planned one when its type, ``requires_grad``, attributes
+    (none) and spec are: the spec's device mesh by identity (a mesh is a process group's
+    view; torch hands the same one out with every ``get_state_dict``), its other fields
+    (placements, global shape, stride and dtype, shard order) by value, which is identity
+    first (torch re-uses the very spec objects across calls) and an equal value else.  The
+    fields are the values recorded at planning, not the spec object: a spec changed in
+    place does not pass.  Its local tensor is then checked as a plain tensor is.
+    """
+
+    positions: tuple[int, ...]
+    requires_grad: tuple[bool, ...]
+    meshes: tuple[Any, ...]
+    fields: tuple[tuple[Any, ...], ...]
+    """Each spec's fields but the mesh (:func:`_spec_fields`)."""
+    plain: tuple[int, ...]
+    """Per planned tensor, 0 for a DTensor and 1 for any other: an in-place op on a DTensor
+    writes its local without moving the local's version counter (DTensor dispatches below
+    autograd), so ``skip_unchanged`` must never trust a DTensor's counter."""
+
+
+_spec_getters: dict[type, Any] = {}
+
+
+def _spec_fields(spec_cls: type) -> Any:
+    """A C getter of every dataclass field of ``spec_cls`` (DTensorSpec) but ``mesh``, as a tuple."""
+    getter = _spec_getters.get(spec_cls)
+    if getter is None:
+        names = [f.name for f in dataclasses.fields(spec_cls) if f.name != "mesh"]
+        getter = _spec_getters[spec_cls] = operator.attrgetter(*names) if len(names) > 1 else None
+        if getter is None:  # pragma: no cover - DTensorSpec has had placements and more since 2.4
+            raise TypeError(f"{spec_cls.__qualname__} has too few fields to check")
+    return getter
+
+
+def _iter_dtensor_columns(source: PlannedSource) -> Steps[DTensorColumns | None]:
+    """The :class:`DTensorColumns` of ``source``'s plan (``None``: it has no DTensor)."""
+    positions: list[int] = []
+    dtensor = TensorKind.DTENSOR
+    for start in range(0, len(source.plan.tensors), 2048):
+        block = source.plan.tensors[start : start + 2048]
+        positions += itertools.compress(
+            range(start, start + len(block)), map(functools.partial(operator.is_, dtensor), map(_kind, block))
+        )
+        if slice_over():
+            yield
+    if not positions:
+        return None
+    tensors = source.plan.tensors
+    grads: list[bool] = []
+    meshes: list[Any] = []
+    fields: list[tuple[Any, ...]] = []
+    spec_cls = type(tensors[positions[0]].dtensor_spec)
+    getter = _spec_fields(spec_cls)
+    for start in range(0, len(positions), _UNWRAP_BLOCK):  # ~1 us a DTensor
+        specs = [tensors[p].dtensor_spec for p in positions[start : start + _UNWRAP_BLOCK]]
+        if set(map(type, specs)) != {spec_cls}:
+            return None  # (one torch has one spec class)
+        grads += (tensors[p].requires_grad for p in positions[start : start + _UNWRAP_BLOCK])
+        meshes += map(_mesh, specs)
+        fields += map(getter, specs)
+        if slice_over():
+            yield
+    plain = [1] * len(tensors)
+    for start in range(0, len(positions), 2048):
+        for p in positions[start : start + 2048]:
+            plain[p] = 0
+        if slice_over():
+            yield
+    return DTensorColumns(tuple(positions), tuple(grads), tuple(meshes), tuple(fields), tuple(plain))
 
 
 _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
@@ -183,8 +278,8 @@ def _eligible(
     path: tuple[Any, ...] = (),
 ) -> Steps[bool]:
     """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
-    tuples, immutable atoms and plain tensors or Parameters only (anything else is planned
-    anew at every stage, as before).  Finds the subtree's atom slots on the way."""
+    tuples, immutable atoms and tensors, Parameters or DTensors without attributes only
+    (anything else is planned anew at every stage).  Finds the subtree's atom slots on the way."""
     match node:
         case AtomNode() | TensorNode():
             return True
@@ -241,12 +336,12 @@ def _all_tensor_nodes(nodes: Sequence[Node]) -> bool:
 def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     """The checkable form of ``source``'s plan, or ``None`` where it cannot be re-checked."""
     plan = source.plan
-    dtensor = TensorKind.DTENSOR
     for i, spec in enumerate(plan.tensors):
-        if spec.kind is dtensor or spec.attrs is not None:
+        if spec.attrs is not None:
             return None
         if not i & 1023 and slice_over():  # 20,000 in one go held the loop ~1.5 ms
             yield
+    dtensors = yield from _iter_dtensor_columns(source)
     key_types: dict[int, tuple[type, ...]] = {}
     runs: dict[int, int] = {}
     slots = _SlotsMade()
@@ -262,16 +357,26 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     storages = plan.storages
     cls = {TensorKind.TENSOR: id(torch.Tensor), TensorKind.PARAMETER: id(torch.nn.Parameter)}
     signatures = []
-    for spec in plan.tensors:
+    dtensor = TensorKind.DTENSOR
+    odd: list[int] = []  # DTensors whose staged local's signature is not their source local's
+    for i, spec in enumerate(plan.tensors):
         s = spec.storage
+        if spec.kind is dtensor:
+            # A DTensor's local's own type and grad flag (the DTensor's are in the columns).
+            local = source.tensors[i]
+            kind, grad = id(type(local)), local.requires_grad
+            if grad or kind != id(torch.Tensor):
+                odd.append(i)
+        else:
+            kind, grad = cls[spec.kind], spec.requires_grad
         signatures.append(
             (
-                cls[spec.kind],
+                kind,
                 spec.dtype,
                 spec.size,
                 spec.stride,
                 spec.offset,
-                spec.requires_grad,
+                grad,
                 spec.conj,
                 spec.neg,
                 cdata[s],
@@ -280,6 +385,12 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         )
         if slice_over():
             yield
+    meta_signatures = None
+    if odd:  # a staged copy's local is a plain tensor without grad
+        meta = list(signatures)
+        for p in odd:
+            meta[p] = (id(torch.Tensor), *meta[p][1:5], False, *meta[p][6:])
+        meta_signatures = tuple(meta)
     nbytes = 0
     for start in range(0, len(storages), 1024):
         nbytes += sum(s.nbytes for s in storages[start : start + 1024])
@@ -299,7 +410,16 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     if len(views) != len(of):
         shared = tuple(itertools.compress(range(len(of)), map((1).__lt__, map(views.__getitem__, of))))
     fast = FastPlan(
-        plan, tuple(signatures), key_types, nbytes, runs, shared=shared, atoms=slots.made(), storage_of=of
+        plan,
+        tuple(signatures),
+        key_types,
+        nbytes,
+        runs,
+        shared=shared,
+        atoms=slots.made(),
+        storage_of=of,
+        dtensors=dtensors,
+        meta_signatures=meta_signatures,
     )
     # The sources are what the plan was made of, so each chunk passes the full check as it
     # stands: its guard is armed now, and the next stage, not the one after, is guarded
@@ -334,6 +454,8 @@ class _Matcher:
         self.patches = patches
         self.slots = fast.atoms.by_values
         self.signatures = fast.signatures
+        if meta_only and fast.meta_signatures is not None:
+            self.signatures = fast.meta_signatures
         self.key_types = fast.key_types
         self.runs = fast.runs
         self.guards = fast.meta_guards if meta_only else fast.guards
@@ -518,6 +640,50 @@ def _arm(
     guards[position] = (guard, rest)
 
 
+def _iter_unwrap(columns: DTensorColumns, values: list[Any]) -> Steps[list[Any] | None]:
+    """``values`` with each planned DTensor replaced by its local tensor, if every one is
+    the planned DTensor but for its local (:class:`DTensorColumns`), else ``None``.
+
+    A column at a time, a block of DTensors at a time: each a ``map`` of a C getter or
+    comparison, no Python frame a DTensor.
+    """
+    cls = dtensor_class()
+    if cls is None:  # pragma: no cover - a plan with DTensors was made after the import
+        return None
+    out = list(values)
+    positions = columns.positions
+    getter: Any = None
+    for start in range(0, len(positions), _UNWRAP_BLOCK):
+        end = start + _UNWRAP_BLOCK
+        try:
+            block = list(map(values.__getitem__, positions[start:end]))
+            if set(map(type, block)) != {cls} or any(map(_attributes, block)):
+                return None
+            if tuple(map(_requires_grad, block)) != columns.requires_grad[start:end]:
+                return None
+            specs = list(map(_spec, block))
+            if not all(map(operator.is_, map(_mesh, specs), columns.meshes[start:end])):
+                return None
+            if getter is None:
+                getter = _spec_fields(type(specs[0]))
+            if tuple(map(getter, specs)) != columns.fields[start:end]:
+                return None
+            for p, local in zip(positions[start:end], map(_local_tensor, block), strict=True):
+                out[p] = local
+        except Exception:  # a spec of another class, or a value the plan never saw
+            return None
+        if slice_over():
+            yield
+    return out
+
+
+_UNWRAP_BLOCK = 512
+"""DTensors unwrapped between two looks at the clock (~0.9 us each: 2,048 held the loop ~2.6 ms)."""
+_kind = operator.attrgetter("kind")
+_mesh = operator.attrgetter("mesh")
+_spec = operator.attrgetter("_spec")
+_local_tensor = operator.attrgetter("_local_tensor")
+_requires_grad = operator.attrgetter("requires_grad")
 _storage_offset = torch.Tensor.storage_offset  # the C methods themselves (TensorBase's)
 _untyped_storage = torch.Tensor.untyped_storage
 _nbytes = torch.UntypedStorage.nbytes
@@ -534,10 +700,12 @@ def iter_match(
     walk_only: bool = False,
     patches: list[tuple[int, Any]] | None = None,
 ) -> Steps[list[torch.Tensor] | None]:
-    """``state_dict``'s source tensors in plan order if ``fast.plan`` is its plan, else ``None``.
+    """``state_dict``'s source tensors in plan order (a DTensor's local tensor for a DTensor)
+    if ``fast.plan`` is its plan, else ``None``.
 
     Checks everything the plan was derived from: container types, keys (in order, with
-    their types), lengths and non-tensor values; each tensor's :func:`tensor_signature`
+    their types), lengths and non-tensor values; each DTensor's type, grad flag and spec
+    (:class:`DTensorColumns`), its local tensor then in its place; each tensor's :func:`tensor_signature`
     (storage, dtype, shape, stride, offset, type, ``requires_grad``, conj/neg bits); that no
     tensor carries attributes; and that the same tensor object, and only it, appears
     wherever the plan met one tensor twice.  The cyclic collector stays paused while it
@@ -555,16 +723,22 @@ def iter_match(
     """
     matcher = _Matcher(fast, meta_only, None if patches is None else [])
     ok = yield from matcher.many((fast.plan.root,), (state_dict,))
-    sources = matcher.sources
+    values = sources = matcher.sources
     if not ok or len(sources) != len(fast.signatures):
         return None
+    if fast.dtensors is not None:
+        unwrapped = yield from _iter_unwrap(fast.dtensors, values)
+        if unwrapped is None:
+            return None
+        sources = matcher.sources = unwrapped
     if not walk_only and not (yield from matcher.tensors()):
         return None
     # A tensor object met at two positions the plan holds apart would be one in a new plan.
     # Once every storage is checked, only tensors of a shared storage can be one object (the
     # storage check refuses one object at the positions of two storages): 20,000 ids
-    # hashed into a set cost ~2.5 ms, and most plans share no storage.
-    distinct = sources if meta_only or walk_only else list(map(sources.__getitem__, fast.shared))
+    # hashed into a set cost ~2.5 ms, and most plans share no storage.  The objects of the
+    # tree, not DTensors' locals: the planner knows a tensor met twice by the tree's object.
+    distinct = values if meta_only or walk_only else list(map(values.__getitem__, fast.shared))
     if not (yield from iter_distinct(distinct)):
         return None
     if patches is not None and matcher.patches:

@@ -460,7 +460,11 @@ class DefaultStager(anyio.abc.AsyncResource):
             raise
         with anyio.CancelScope(shield=True):  # half handed out between its slices
             serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
-            staged_tensors = cast(list[torch.Tensor], rebuilder.tensors)
+            rebuilt = cast(list[torch.Tensor], rebuilder.tensors)
+            staged_tensors = await self._run(
+                _iter_as_matched(self._fast, plan, rebuilt, staged_locals), makes_tensors=False
+            )
+            del rebuilt
             remember = self._iter_remember(plan, serial, seen, staged_tensors, new=True)
             await self._run(remember, makes_tensors=False)
             del remember
@@ -596,7 +600,12 @@ class DefaultStager(anyio.abc.AsyncResource):
         """
         if not self._resolved.skip_unchanged:
             return None
-        return _Seen(_versions(sources), list(map(_tensor_ptr, sources)))
+        versions = _versions(sources)
+        fast = self._fast
+        if fast is not None and fast.dtensors is not None and len(versions) == len(fast.dtensors.plain):
+            # A DTensor's local is written by its in-place ops without a counter move: 0, never trusted.
+            versions = list(map(operator.mul, versions, fast.dtensors.plain))
+        return _Seen(versions, list(map(_tensor_ptr, sources)))
 
     def _iter_remember(
         self, plan: StagePlan, serial: int, seen: _Seen | None, staged: list[torch.Tensor], *, new: bool
@@ -1058,6 +1067,23 @@ def _iter_empty(tensors: list[torch.Tensor]) -> Steps[None]:
         _empty(tensors.pop())
         if slice_over():
             yield
+
+
+def _iter_as_matched(
+    fast: FastPlan | None, plan: StagePlan, rebuilt: list[torch.Tensor], locals_: list[torch.Tensor]
+) -> Steps[list[torch.Tensor]]:
+    """A new copy's tensors as a re-check of it returns them (``iter_match``): the rebuilt
+    tensors, but a DTensor's local tensor, which is what its staged storage is known by."""
+    if fast is None or fast.plan is not plan or fast.dtensors is None:
+        return rebuilt
+    out = list(rebuilt)
+    positions = fast.dtensors.positions
+    for start in range(0, len(positions), _BLOCK):
+        for p in positions[start : start + _BLOCK]:
+            out[p] = locals_[p]
+        if slice_over():
+            yield
+    return out
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:

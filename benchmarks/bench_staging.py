@@ -1,12 +1,13 @@
 """Staging benchmark: astage against a raw-copy ceiling and torch's own stagers, in one table.
 
-Five inputs: (a) a GPT-2-small-shaped checkpoint with Adam state (~1.5 GB fp32), (b)
+Six inputs: (a) a GPT-2-small-shaped checkpoint with Adam state (~1.5 GB fp32), (b)
 20,000 small tensors (~11 MB), (c) a mixture-of-experts checkpoint, 20,160 tensors of 32 KiB
 (0.66 GB), (d) a LoRA fine-tuning checkpoint whose adapters and their Adam state (5% of
 the bytes) are written by a "training step" before every stage, and (e) (b) with a step
 count, learning rate and loss beside the tensors that change before every stage, as a
-training loop's do.  On (d) a stager made with ``StagingOptions(skip_unchanged=True)`` is
-timed too, where astage has that option.
+training loop's do, and (f) (b) as 20,000 DTensors on a one-rank mesh (an FSDP2
+``get_state_dict``'s shape; the ceiling copies their local tensors).  On (d) a stager made
+with ``StagingOptions(skip_unchanged=True)`` is timed too, where astage has that option.
 
 Each method stages each input ``--runs`` times from a fresh instance (first stage: buffers
 are allocated and page-faulted), then ``--runs`` times more with the last instance (steady
@@ -50,6 +51,7 @@ from .common import (
     clock,
     default_scale,
     distinct_storages,
+    dtensor_state_dict,
     environment,
     format_table,
     gpt2_adam_state_dict,
@@ -75,6 +77,7 @@ CASES: dict[str, Callable[[float], Any]] = {
     "moe-20k": moe_adam_state_dict,
     "lora": lora_state_dict,
     "trainer-20k": trainer_state_dict,
+    "dtensor-20k": dtensor_state_dict,
 }
 SAVE_CASE = "checkpointer-save"
 """The ``--case`` name of the ``Checkpointer.save`` measurement (on ``trainer-20k``'s input:

@@ -98,6 +98,24 @@ def small_tensors_state_dict(scale: float = 1.0, count: int = 20_000) -> dict[st
     return tree
 
 
+def dtensor_state_dict(scale: float = 1.0) -> dict[str, Any]:
+    """:func:`small_tensors_state_dict` as DTensors sharded on dim 0 over a one-rank mesh, the
+    shape of an FSDP2 ``get_state_dict``; joins a one-rank gloo group over an in-process
+    store if this process has no group yet."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    placements = [Shard(0)]
+    return {
+        layer: {name: DTensor.from_local(t, mesh, placements) for name, t in tensors.items()}
+        for layer, tensors in small_tensors_state_dict(scale).items()
+    }
+
+
 def trainer_state_dict(scale: float = 1.0) -> dict[str, Any]:
     """:func:`small_tensors_state_dict` with what a training loop saves beside its tensors:
     a step count, a scheduled learning rate and a loss, which :func:`trainer_step` changes."""
@@ -183,9 +201,10 @@ def train_step(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
-    """Every tensor leaf of nested dicts, lists and tuples, in order (repeats included)."""
+    """Every tensor leaf of nested dicts, lists and tuples, in order (repeats included); a
+    DTensor as its local tensor (what holds its bytes)."""
     if isinstance(tree, torch.Tensor):
-        yield tree
+        yield getattr(tree, "_local_tensor", tree)
     elif isinstance(tree, dict):
         for value in tree.values():
             yield from iter_tensors(value)

@@ -32,7 +32,7 @@ def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
     for row in ("ceiling (copy_)", "astage", "torch DefaultStager", "torch Blocking", "PASS|MISS"):
         assert any(part in done.stdout for part in row.split("|"))
     payload = json.loads(out.read_text())
-    cases = {"gpt2-adam", "small-20k", "moe-20k", "lora", "trainer-20k"}
+    cases = {"gpt2-adam", "small-20k", "moe-20k", "lora", "trainer-20k", "dtensor-20k"}
     assert {r["case"] for r in payload["results"]} == cases
     assert set(payload["targets"]) == cases | {"checkpointer-save"}
     for case in cases:
