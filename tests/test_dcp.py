@@ -184,10 +184,11 @@ def test_adapter_staged_copies_are_reclaimed_after_dcp_wrote_them(
     one_rank_group: None, tmp_path: Path
 ) -> None:
     sd = training_state()
-    # Room for one copy only: the second save waits until DCP has dropped the first copy,
-    # which DCP's upload thread does just after it completes upload_completion.
+    # Room for one copy exactly: the second save waits until DCP has dropped the first copy,
+    # which DCP's upload thread does just after it completes upload_completion.  (With more
+    # room, a few small buffers DCP still held then were allocated anew instead.)
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors_of(sd))
-    stager = DefaultStager(StagingOptions(max_staging_bytes=nbytes * 3 // 2))
+    stager = DefaultStager(StagingOptions(max_staging_bytes=nbytes))
     with StagerAdapter(stager) as adapter:
         save_through_adapter(adapter, sd, tmp_path / "a").upload_completion.result(timeout=30)
         first = stager.last_stats
