@@ -1,15 +1,29 @@
-"""Shared fixtures: anyio backends, the GPU marker, and a guard against a blocked loop."""
+"""Shared fixtures: anyio backends, the GPU marker, a one-rank process group, and a guard
+against a blocked loop."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Run every ``@pytest.mark.anyio`` test under asyncio and under trio."""
     return str(request.param)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone (DTensors and DCP need a default group)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

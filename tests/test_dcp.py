@@ -126,15 +126,6 @@ def gate() -> Iterator[threading.Event]:
     event.set()
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 # -- StagerAdapter under dcp.async_save ----------------------------------------------------
 
 
