@@ -16,16 +16,21 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_VALIDATE = ROOT / "benchmarks" / "gpu_validate.sh"
 
 
-def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_staging", "--quick", "--json", str(out)],
+def run_bench(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.<module> <args>`` from the checkout, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         check=False,
     )
+
+
+def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = run_bench("bench_staging", "--quick", "--json", str(out), timeout=240)
     assert done.returncode == 0, done.stderr
     for header in ("method", "first s", "steady s", "x ceiling", "peak RSS MB", "lag p99 ms", "lag max ms"):
         assert header in done.stdout
@@ -63,14 +68,7 @@ def test_bench_staging_quick_prints_the_table(tmp_path: Path) -> None:
 
 def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_replication", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    done = run_bench("bench_replication", "--quick", "--json", str(out), timeout=180)
     assert done.returncode == 0, done.stderr
     for header in ("method", "median s", "min s", "GB/s", "x astage", "astage phases"):
         assert header in done.stdout
@@ -98,14 +96,7 @@ def test_bench_replication_quick_prints_the_table(tmp_path: Path) -> None:
 def test_bench_gpu_without_cuda_says_so_and_exits_cleanly() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the benchmark would run for real")
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_gpu", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_bench("bench_gpu", "--quick", timeout=120)
     assert done.returncode == 0, done.stderr
     assert "no CUDA device" in done.stdout
     assert "Traceback" not in done.stderr
@@ -171,13 +162,7 @@ def test_gpu_validate_reports_a_failed_phase_and_goes_on(tmp_path: Path) -> None
 
 
 def test_bench_format_quick_prints_the_cost_a_tensor() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_format", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_bench("bench_format", "--quick", timeout=120)
     assert done.returncode == 0, done.stderr
     for step in ("lay_out", "encode", "relabel", "parse_prefix", "decode"):
         assert step in done.stdout
@@ -185,14 +170,7 @@ def test_bench_format_quick_prints_the_cost_a_tensor() -> None:
 
 def test_bench_loop_held_quick_prints_both_variants_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_loop_held", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    done = run_bench("bench_loop_held", "--quick", "--json", str(out), timeout=180)
     assert done.returncode == 0, done.stderr
     for text in ("step on the loop", "step on the thread", "save->durable", "save() ms", "PASS|MISS"):
         assert any(part in done.stdout for part in text.split("|")), text

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .._errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
 from .._slices import drive
-from ._exchange import _allocate_body, _pack
+from ._exchange import PackBuffers, _allocate_body, _pack, direct_tensor
 from ._protocol import (
     ACK_BYTES,
     ACK_TAG,
@@ -58,7 +58,11 @@ from ._protocol import (
 
 _WINDOW = 4
 """Chunks posted ahead of the one being waited for, per direction (as the gloo wire)."""
-_PACK_BUFFERS = 2
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
 
 OnPrefixSync = Callable[[bytes], None]
 OnChunkSync = Callable[[int, torch.Tensor], None]
@@ -195,31 +199,20 @@ def _send(link: BlockingLink, prefix: bytes, plan: ChunkPlan) -> None:
         blob = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
         inflight.append((link.post(blob, PREFIX_TAG, send=True), blob, None))
         link.bytes_sent += len(prefix)
-    free: list[torch.Tensor] = []
-    allocated = 0
+    buffers = PackBuffers(_host_buffer, min(plan.chunk_bytes, body_nbytes))
 
     def retire_oldest() -> None:
         work, _, buffer = inflight.popleft()
         link.wait(work, send=True)
-        if buffer is not None:
-            free.append(buffer)
+        buffers.give_back(buffer)
 
     for chunk in plan.chunks:
         buffer = None
-        only = chunk.parts[0] if len(chunk.parts) == 1 else None
-        if isinstance(only, torch.Tensor):
-            tensor = only
-        elif isinstance(only, int):
-            tensor = torch.zeros(only, dtype=torch.uint8)
-        else:
-            while not free and allocated == _PACK_BUFFERS:
+        tensor = direct_tensor(chunk)
+        if tensor is None:
+            while not buffers.ready:
                 retire_oldest()
-            if free:
-                buffer = free.pop()
-            else:
-                buffer = torch.empty(min(plan.chunk_bytes, body_nbytes), dtype=torch.uint8)
-                allocated += 1
-            tensor = buffer[: chunk.nbytes]
+            buffer, tensor = buffers.take(chunk.nbytes)
             _pack(chunk.parts, tensor)
         while len(inflight) >= _WINDOW:
             retire_oldest()

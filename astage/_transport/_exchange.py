@@ -34,6 +34,7 @@ from ._protocol import (
     PREAMBLE_WORDS,
     PREFIX_TAG,
     Allocate,
+    Chunk,
     ChunkPlan,
     ExchangeStats,
     Gather,
@@ -225,31 +226,20 @@ async def _send(link: Link, prefix: bytes, plan: ChunkPlan) -> None:
         blob = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
         inflight.append((await link.post(blob, PREFIX_TAG, send=True), None))
         link.bytes_sent += len(prefix)
-    free: list[torch.Tensor] = []
-    allocated = 0
+    buffers = PackBuffers(link.wire.host_buffer, min(plan.chunk_bytes, body_nbytes))
 
     async def retire_oldest() -> None:
         message, buffer = inflight.popleft()
         await link.complete(message, send=True)
-        if buffer is not None:
-            free.append(buffer)
+        buffers.give_back(buffer)
 
     for chunk in plan.chunks:
         buffer = None
-        only = chunk.parts[0] if len(chunk.parts) == 1 else None
-        if isinstance(only, torch.Tensor):
-            tensor = only
-        elif isinstance(only, int):
-            tensor = torch.zeros(only, dtype=torch.uint8)
-        else:
-            while not free and allocated == _PACK_BUFFERS:
+        tensor = direct_tensor(chunk)
+        if tensor is None:
+            while not buffers.ready:
                 await retire_oldest()
-            if free:
-                buffer = free.pop()
-            else:
-                buffer = link.wire.host_buffer(min(plan.chunk_bytes, body_nbytes))
-                allocated += 1
-            tensor = buffer[: chunk.nbytes]
+            buffer, tensor = buffers.take(chunk.nbytes)
             await run_sync(_pack, chunk.parts, tensor, limiter=link.limiter)
             link.chunks_packed += 1
         while len(inflight) >= link.wire.window:
@@ -259,6 +249,46 @@ async def _send(link: Link, prefix: bytes, plan: ChunkPlan) -> None:
         link.bytes_sent += chunk.nbytes
     while inflight:
         await retire_oldest()
+
+
+def direct_tensor(chunk: Chunk) -> torch.Tensor | None:
+    """What a body chunk of one part is sent as (the part itself, or zeros for a gap), or
+    ``None``: the chunk is packed into a buffer (:class:`PackBuffers`, :func:`_pack`)."""
+    only = chunk.parts[0] if len(chunk.parts) == 1 else None
+    if isinstance(only, torch.Tensor):
+        return only
+    if isinstance(only, int):
+        return torch.zeros(only, dtype=torch.uint8)
+    return None
+
+
+class PackBuffers:
+    """At most ``_PACK_BUFFERS`` buffers a sender packs chunks into, each taken again once
+    the send that used it has completed (:meth:`give_back`)."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor], nbytes: int) -> None:
+        self._allocate = allocate
+        self._nbytes = nbytes
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`take` can serve now (else a send in flight must complete first)."""
+        return bool(self._free) or self._allocated < _PACK_BUFFERS
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A buffer and its first ``nbytes``, the tensor to pack a chunk into."""
+        if self._free:
+            buffer = self._free.pop()
+        else:
+            buffer = self._allocate(self._nbytes)
+            self._allocated += 1
+        return buffer, buffer[:nbytes]
+
+    def give_back(self, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._free.append(buffer)
 
 
 def _pack(parts: tuple[torch.Tensor | int | Gather, ...], out: torch.Tensor) -> None:
