@@ -95,6 +95,14 @@ def rich_state_dict() -> dict[str, Any]:
     }
 
 
+def nested_tensors(tensors: int, depth: int) -> Any:
+    """``tensors`` one-element tensors in a dict nested ``depth`` dicts deep."""
+    tree: Any = {f"t{i}": torch.zeros(1) for i in range(tensors)}
+    for _ in range(depth):
+        tree = {"x": tree}
+    return tree
+
+
 def tensors_of(tree: Any) -> list[torch.Tensor]:
     """Every tensor in a tree, in walk order (containers, dataclasses, slots, namedtuples).
 

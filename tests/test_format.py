@@ -47,7 +47,7 @@ from astage._format import (
 from astage._parse_bound import _parse_budget, _table_cost
 from astage._plan import DictNode
 from astage._tensor_table import _split_tables
-from tests.statedicts import random_tensor, rich_state_dict, storage_key, tensors_of
+from tests.statedicts import nested_tensors, random_tensor, rich_state_dict, storage_key, tensors_of
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -1082,13 +1082,6 @@ def test_version_1_headers_keep_the_looser_bound_they_were_written_under(name: s
     assert peak <= LEGACY_PARSE_AMPLIFICATION * len(header) + PARSE_SLACK, peak / len(header)
 
 
-def _deep(tensors: int, depth: int) -> Any:
-    tree: Any = {f"t{i}": torch.zeros(1) for i in range(tensors)}
-    for _ in range(depth):
-        tree = {"x": tree}
-    return tree
-
-
 _Pair = collections.namedtuple("_Pair", ["a", "b"])
 
 _DENSE_STATES: dict[str, Any] = {
@@ -1100,7 +1093,7 @@ _DENSE_STATES: dict[str, Any] = {
         f"k{i}": torch.zeros(1).as_strided((0, 1000 + i, 2000 + i), (1, 3000 + i, 1), 10**5 + i)
         for i in range(3_000)
     },
-    "tensors 120 deep": lambda: _deep(500, 120),
+    "tensors 120 deep": lambda: nested_tensors(500, 120),
     "30k zeros": lambda: {"z": [0] * 30_000},
     "10k empty lists": lambda: {"z": [[] for _ in range(10_000)]},
     "5k namedtuples": lambda: {"z": [_Pair(i, 0.5) for i in range(5_000)]},
@@ -1155,7 +1148,7 @@ def test_key_paths_are_charged_as_the_parse_meets_them() -> None:
     # Padding that covers the header's tokens and tables but not its tensors' key paths
     # (long here: 300 tensors 100 containers deep) passes the check before parsing; the
     # walk must then stop on the paths' charge.
-    encoded = encode(_deep(300, 100), owner_rank=0, step=0, checkpoint_id="paths")
+    encoded = encode(nested_tensors(300, 100), owner_rank=0, step=0, checkpoint_id="paths")
     header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
     header = encoded.prefix[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len].rstrip(b" ")
     spaces = 0

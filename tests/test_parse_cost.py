@@ -32,6 +32,7 @@ from astage._format import (
     parse_checked,
 )
 from astage._parse_bound import NODE_COSTS, namedtuple_cost
+from tests.statedicts import nested_tensors
 from tests.test_format import _DENSE_HEADERS, _forge_version
 
 
@@ -95,7 +96,7 @@ _KINDS: dict[str, Callable[[], Any]] = {
         f"k{i}": _B.as_strided((0, 2**40 + i, 2**40 - i), (2**40 + i, 1, 2**41)) for i in range(3_000)
     },
     # key paths
-    "tensors 120 containers deep": lambda: _deep(2_000, 120),
+    "tensors 120 containers deep": lambda: nested_tensors(2_000, 120),
     # namedtuples: one class of many fields, long names, many classes, many instances
     "a namedtuple of 5,000 fields": lambda: {"z": _namedtuple(5_000)},
     "a namedtuple of 1,000 long fields": lambda: {"z": _namedtuple(1_000, 200)},
@@ -120,13 +121,6 @@ _KINDS: dict[str, Callable[[], Any]] = {
     "10k bytes leaves": lambda: {"z": [bytes([i % 256]) * 3 for i in range(10_000)]},
     "10k ndarrays": lambda: {"z": [np.zeros(1, np.int16) for _ in range(10_000)]},
 }
-
-
-def _deep(tensors: int, depth: int) -> Any:
-    tree: Any = {f"t{i}": torch.zeros(1) for i in range(tensors)}
-    for _ in range(depth):
-        tree = {"x": tree}
-    return tree
 
 
 _Pair = collections.namedtuple("_Pair", ["a", "b"])
