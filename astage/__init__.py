@@ -7,41 +7,41 @@ only what a user needs (the reasons, name by name: "What is public and why" in d
 
 import logging as _logging
 
-from ._checkpointer import Checkpointer as Checkpointer
-from ._checkpointer import ReplicaSource as ReplicaSource
-from ._checkpointer import Replicator as Replicator
-from ._checkpointer import SaveEvent as SaveEvent
-from ._checkpointer import SaveHandle as SaveHandle
-from ._checkpointer import SaveStats as SaveStats
-from ._errors import AstageError as AstageError
-from ._errors import CapacityError as CapacityError
-from ._errors import ClosedError as ClosedError
-from ._errors import ConfigurationError as ConfigurationError
-from ._errors import EventLoopError as EventLoopError
-from ._errors import IntegrityError as IntegrityError
-from ._errors import PeerReportedError as PeerReportedError
-from ._errors import PeerTimeoutError as PeerTimeoutError
-from ._errors import PersistError as PersistError
-from ._errors import ResourceError as ResourceError
-from ._errors import TransportError as TransportError
-from ._errors import UnsupportedInputError as UnsupportedInputError
-from ._events import wait_event as wait_event
-from ._options import StagingOptions as StagingOptions
-from ._persist import CheckpointFileInfo as CheckpointFileInfo
-from ._persist import find_replicas as find_replicas
-from ._persist import inspect_checkpoint_file as inspect_checkpoint_file
-from ._persist import load_checkpoint_file as load_checkpoint_file
-from ._persist import load_checkpoint_file_sync as load_checkpoint_file_sync
-from ._persist import sweep_stale_temps as sweep_stale_temps
-from ._pool import PoolStats as PoolStats
-from ._replication import ReplicationPhase as ReplicationPhase
-from ._replication import ReplicationResult as ReplicationResult
-from ._replication import ReplicationStager as ReplicationStager
-from ._replication import ReplicationStats as ReplicationStats
-from ._stager import AsyncStager as AsyncStager
-from ._stager import BlockingStager as BlockingStager
-from ._stager import DefaultStager as DefaultStager
-from ._stager import StageStats as StageStats
+from ._checkpointer.checkpointer import Checkpointer as Checkpointer
+from ._checkpointer.checkpointer import ReplicaSource as ReplicaSource
+from ._checkpointer.checkpointer import Replicator as Replicator
+from ._checkpointer.checkpointer import SaveEvent as SaveEvent
+from ._checkpointer.checkpointer import SaveHandle as SaveHandle
+from ._checkpointer.checkpointer import SaveStats as SaveStats
+from ._files.durable import CheckpointFileInfo as CheckpointFileInfo
+from ._files.durable import find_replicas as find_replicas
+from ._files.durable import inspect_checkpoint_file as inspect_checkpoint_file
+from ._files.durable import load_checkpoint_file as load_checkpoint_file
+from ._files.durable import load_checkpoint_file_sync as load_checkpoint_file_sync
+from ._files.durable import sweep_stale_temps as sweep_stale_temps
+from ._replication.stager import ReplicationPhase as ReplicationPhase
+from ._replication.stager import ReplicationResult as ReplicationResult
+from ._replication.stager import ReplicationStager as ReplicationStager
+from ._replication.stager import ReplicationStats as ReplicationStats
+from ._staging.events import wait_event as wait_event
+from ._staging.options import StagingOptions as StagingOptions
+from ._staging.pool import PoolStats as PoolStats
+from ._staging.stager import AsyncStager as AsyncStager
+from ._staging.stager import BlockingStager as BlockingStager
+from ._staging.stager import DefaultStager as DefaultStager
+from ._staging.stager import StageStats as StageStats
+from ._util.errors import AstageError as AstageError
+from ._util.errors import CapacityError as CapacityError
+from ._util.errors import ClosedError as ClosedError
+from ._util.errors import ConfigurationError as ConfigurationError
+from ._util.errors import EventLoopError as EventLoopError
+from ._util.errors import IntegrityError as IntegrityError
+from ._util.errors import PeerReportedError as PeerReportedError
+from ._util.errors import PeerTimeoutError as PeerTimeoutError
+from ._util.errors import PersistError as PersistError
+from ._util.errors import ResourceError as ResourceError
+from ._util.errors import TransportError as TransportError
+from ._util.errors import UnsupportedInputError as UnsupportedInputError
 
 __version__ = "0.1.0"
 
@@ -53,7 +53,7 @@ _logging.getLogger("astage").addHandler(_logging.NullHandler())
 # Names that were public once and are not any more: each still resolves, silently (a warning
 # would fail the test suites of programs that turn warnings into errors), so old code keeps
 # running; they are left out of ``__all__`` and ``dir()``, and the API docs say why.
-_RETIRED: dict[str, str] = {"BufferPool": "astage._pool", "BufferKind": "astage._pool"}
+_RETIRED: dict[str, str] = {"BufferPool": "astage._staging.pool", "BufferKind": "astage._staging.pool"}
 
 
 def __getattr__(name: str) -> object:

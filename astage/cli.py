@@ -7,7 +7,7 @@ is shown as itself and cannot break the output or drive the terminal.  Tables ar
 to a terminal width when the output is piped, and ``--json`` gives the same facts to
 programs.  Progress bars (on stderr) appear only on a terminal.
 
-The commit markers and the Checkpointer's layout are read through :mod:`astage._checkpointer`,
+The commit markers and the Checkpointer's layout are read through :mod:`astage._checkpointer.checkpointer`,
 the code :meth:`astage.Checkpointer.restore` trusts, so ``ls`` flags exactly the local copies
 a restore would refuse.
 """
@@ -47,14 +47,14 @@ from rich.text import Text
 import astage
 
 from ._demo import run_demo
-from ._directory import layout_role, step_of_dir
-from ._directory import rank_file_names as _names
-from ._errors import Attr, format_key_path
-from ._format import FileHeader
-from ._markers import Marker as _Marker
-from ._markers import check_committed, read_marker
-from ._persist import FILE_SUFFIX, is_temp_name
-from ._plan import AtomNode, CopyNode, DictNode, Node, ObjectNode, RefNode, SeqNode, TensorNode
+from ._files.directory import layout_role, step_of_dir
+from ._files.directory import rank_file_names as _names
+from ._files.durable import FILE_SUFFIX, is_temp_name
+from ._files.markers import Marker as _Marker
+from ._files.markers import check_committed, read_marker
+from ._format.codec import FileHeader
+from ._staging.plan import AtomNode, CopyNode, DictNode, Node, ObjectNode, RefNode, SeqNode, TensorNode
+from ._util.errors import Attr, format_key_path
 
 DESCRIPTION = """\
 Look at and verify astage checkpoints and replicas, run the demo and the benchmarks.

@@ -53,7 +53,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from ._errors import (
+from ._staging.events import wait_event
+from ._staging.options import accelerator_available
+from ._staging.stager import AsyncStager, DefaultStager
+from ._util.errors import (
     AstageError,
     ClosedError,
     ConfigurationError,
@@ -61,9 +64,6 @@ from ._errors import (
     UnsupportedInputError,
     describe,
 )
-from ._events import wait_event
-from ._options import accelerator_available
-from ._stager import AsyncStager, DefaultStager
 
 __all__ = ["AsyncSaveHandle", "StagerAdapter", "async_save"]
 

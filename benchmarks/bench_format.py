@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import astage
-from astage import _format
+from astage._format import codec as _format
 
 from .common import default_scale, format_table, small_tensors_state_dict
 

@@ -36,9 +36,9 @@ import sniffio
 import torch
 from blockbuster import blockbuster_ctx
 
-import astage._copy
+import astage._staging.copies
 from astage import DefaultStager
-from astage._persist import is_temp_name
+from astage._files.durable import is_temp_name
 
 # -- the event loop must never block ---------------------------------------------------------
 
@@ -325,7 +325,7 @@ async def assert_no_late_writes(stager: DefaultStager, wait: float = 0.05) -> No
     wrote into one meanwhile."""
     storages = free_buffers(stager)
     poison(storages)
-    await quiet(astage._copy, window=wait)
+    await quiet(astage._staging.copies, window=wait)
     touched = unpoisoned(storages)
     assert not touched, f"{len(touched)} released buffer(s) were written after their release"
 

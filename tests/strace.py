@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import astage
-from astage._format import encode
-from astage._persist import CheckpointFileWriter, write_checkpoint_file
+from astage._files.durable import CheckpointFileWriter, write_checkpoint_file
+from astage._format.codec import encode
 from tests.distributed import _context
 
 CHUNK = 64 << 10

@@ -26,8 +26,8 @@ import torch.distributed.checkpoint as dcp
 import astage
 import astage.dcp
 from astage import UnsupportedInputError
-from astage._format import encode, parse_prefix
-from astage._persist import write_checkpoint_file
+from astage._files.durable import write_checkpoint_file
+from astage._format.codec import encode, parse_prefix
 from astage.cli import main
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture

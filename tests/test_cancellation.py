@@ -40,10 +40,10 @@ import torch.distributed as dist
 from blockbuster import blockbuster_ctx
 
 import astage
-import astage._persist
-from astage._copy import run_batch
-from astage._format import encode
-from astage._persist import load_checkpoint_file_sync, replica_path, write_checkpoint_file
+import astage._files.durable
+from astage._files.durable import load_checkpoint_file_sync, replica_path, write_checkpoint_file
+from astage._format.codec import encode
+from astage._staging.copies import run_batch
 from tests.distributed import run_group
 from tests.helpers import (
     assert_no_late_writes,
@@ -164,10 +164,10 @@ async def check_pool(stager: astage.DefaultStager, state: Sweep) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("lanes", [1, 2])
 async def test_stage_cancelled_at_every_await_point(lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two lanes: the copy runs in two worker threads at once (astage._copy.copy_lanes), as
+    # Two lanes: the copy runs in two worker threads at once (astage._staging.copies.copy_lanes), as
     # on a machine with a core to spare; a lane cancelled before its thread started kept
     # its batches, views of the buffers, alive in its frame.
-    monkeypatch.setattr(astage._copy, "usable_cores", lambda: lanes + 1)
+    monkeypatch.setattr(astage._staging.copies, "usable_cores", lambda: lanes + 1)
     sd = big_state(1)
     async with astage.DefaultStager(threads=2) as stager:
         assert stager._lanes == lanes
@@ -209,7 +209,7 @@ async def test_a_stage_cancelled_mid_copy_hands_its_buffers_back_though_the_copy
         sys.setprofile(linger)  # in this copy thread only
         run_batch(batch, non_blocking)
 
-    monkeypatch.setattr("astage._copy.run_batch", cancel_then_copy)
+    monkeypatch.setattr("astage._staging.copies.run_batch", cancel_then_copy)
     try:
         async with astage.DefaultStager() as stager:
             with scope:
@@ -222,7 +222,7 @@ async def test_a_stage_cancelled_mid_copy_hands_its_buffers_back_though_the_copy
         resumed.set()
 
 
-# -- astage._persist.write_checkpoint_file -----------------------------------------------------------
+# -- astage._files.durable.write_checkpoint_file -----------------------------------------------------------
 
 
 async def assert_no_write_after_close(wait: float = 0.02) -> None:
@@ -233,7 +233,7 @@ async def assert_no_write_after_close(wait: float = 0.02) -> None:
     fds = [os.memfd_create("astage-sentinel") for _ in range(8)]
     for fd in fds:
         os.write(fd, sentinel)
-    await quiet(astage._persist, window=wait)
+    await quiet(astage._files.durable, window=wait)
     try:
         for fd in fds:
             assert os.pread(fd, len(sentinel) + 1, 0) == sentinel, f"descriptor {fd} was written after close"

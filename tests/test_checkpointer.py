@@ -30,10 +30,16 @@ import pytest
 import torch
 
 import astage
-import astage._format
-import astage._persisting
-from astage._format import encode
-from astage._persist import find_replicas, is_temp_name, replica_path, temp_path_for, write_checkpoint_file
+import astage._checkpointer.save_pipeline
+import astage._format.codec
+from astage._files.durable import (
+    find_replicas,
+    is_temp_name,
+    replica_path,
+    temp_path_for,
+    write_checkpoint_file,
+)
+from astage._format.codec import encode
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 from tests.statedicts import assert_same_tree, bytes_equal, random_tensor, rich_state_dict, tensors_of
@@ -152,10 +158,15 @@ class SharingReplicator(DirectoryReplicator):
 
     def __init__(self, directory: Path) -> None:
         super().__init__(directory)
-        self.received: list[astage._format.Encoded | None] = []
+        self.received: list[astage._format.codec.Encoded | None] = []
 
     async def replicate_staged(  # type: ignore[override]
-        self, staged: Any, *, step: int, checkpoint_id: str, encoded: astage._format.Encoded | None = None
+        self,
+        staged: Any,
+        *,
+        step: int,
+        checkpoint_id: str,
+        encoded: astage._format.codec.Encoded | None = None,
     ) -> Path:
         self.received.append(encoded)
         assert encoded is not None
@@ -792,7 +803,9 @@ async def test_cancelling_the_scope_around_the_checkpointer_abandons_in_flight_s
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("call", ["astage._format.FileLayout.encode", "astage._persist._write_all"])
+@pytest.mark.parametrize(
+    "call", ["astage._format.codec.FileLayout.encode", "astage._files.durable._write_all"]
+)
 async def test_a_save_cancelled_as_a_thread_call_returns_hands_its_buffers_back_though_the_thread_lingers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, anyio_backend: str
 ) -> None:
@@ -819,13 +832,13 @@ async def test_a_save_cancelled_as_a_thread_call_returns_hands_its_buffers_back_
                 lingered.set()
                 released.wait(30)
 
-    real_abandon = astage._persisting.Persister.abandon
+    real_abandon = astage._checkpointer.save_pipeline.Persister.abandon
 
     def abandon(self: Any, job: Any) -> None:
         real_abandon(self, job)
         abandoned.set()
 
-    monkeypatch.setattr(astage._persisting.Persister, "abandon", abandon)
+    monkeypatch.setattr(astage._checkpointer.save_pipeline.Persister, "abandon", abandon)
     real = functools.reduce(getattr, call.split(".")[1:], astage)
     loop = anyio.lowlevel.current_token()
 
@@ -1022,7 +1035,7 @@ async def test_a_failing_progress_callback_is_logged_and_ignored(
 def test_the_public_names_are_exported() -> None:
     for name in ("Checkpointer", "SaveStats", "SaveEvent", "SaveHandle", "Replicator", "ReplicaSource"):
         assert name in astage.__all__
-        assert getattr(astage, name).__module__ == "astage._checkpointer"
+        assert getattr(astage, name).__module__ == "astage._checkpointer.checkpointer"
 
 
 @pytest.mark.anyio
@@ -1031,13 +1044,13 @@ async def test_a_replicated_save_is_encoded_and_checksummed_once(
 ) -> None:
     # On main the local file and the replica were each encoded from the staged copy.
     encodes: list[int] = []
-    original = astage._format.FileLayout.encode
+    original = astage._format.codec.FileLayout.encode
 
-    def counted(layout: astage._format.FileLayout) -> astage._format.Encoded:
+    def counted(layout: astage._format.codec.FileLayout) -> astage._format.codec.Encoded:
         encodes.append(layout.step)
         return original(layout)
 
-    monkeypatch.setattr(astage._format.FileLayout, "encode", counted)
+    monkeypatch.setattr(astage._format.codec.FileLayout, "encode", counted)
     replicator = SharingReplicator(tmp_path / "peer")
     async with astage.Checkpointer(tmp_path / "ckpt", replication=replicator) as ckpt:
         await (await ckpt.save(3, model_state(3))).wait()
@@ -1047,7 +1060,10 @@ async def test_a_replicated_save_is_encoded_and_checksummed_once(
     assert shared.header.step == 3
     local = (tmp_path / "ckpt" / "step_0000000003" / "rank00000.astage").read_bytes()
     replica = replica_path(tmp_path / "peer", owner_rank=0, holder_rank=1).read_bytes()
-    local_header, replica_header = astage._format.parse_prefix(local), astage._format.parse_prefix(replica)
+    local_header, replica_header = (
+        astage._format.codec.parse_prefix(local),
+        astage._format.codec.parse_prefix(replica),
+    )
     assert (local_header.holder_rank, replica_header.holder_rank) == (None, 1)
     assert local_header.segments == replica_header.segments
     assert local[local_header.prefix_nbytes :] == replica[replica_header.prefix_nbytes :]
@@ -1076,7 +1092,7 @@ class UndeclaredReplicator(DirectoryReplicator):
         *,
         step: int,
         checkpoint_id: str,
-        encoded: astage._format.Encoded | None = None,
+        encoded: astage._format.codec.Encoded | None = None,
         **more: Any,
     ) -> Path:
         self.extra.append({"encoded": encoded, **more})

@@ -1,9 +1,9 @@
 """A save re-uses the layout of an earlier save of the same structure, and only then.
 
 ``Checkpointer.save`` must refuse what the checkpoint file format cannot store before it returns,
-which costs a walk of the whole staged tree (:func:`astage._format.lay_out`).  A training
+which costs a walk of the whole staged tree (:func:`astage._format.codec.lay_out`).  A training
 job saves one structure again and again, so the layout is kept and re-used once the staged
-tree is checked against it (:mod:`astage._layout_cache`).  These tests pin both halves: a
+tree is checked against it (:mod:`astage._format.layouts`).  These tests pin both halves: a
 repeated structure is not laid out again, and every change is laid out anew (or refused)
 exactly as a full lay-out would.
 """
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import astage
-import astage._format
-import astage._layout_cache
-from astage._format import FileLayout, iter_lay_out, lay_out
-from astage._layout_cache import LayoutCache, PendingLayout
-from astage._slices import Steps
+import astage._format.codec
+import astage._format.layouts
+from astage._format.codec import FileLayout, iter_lay_out, lay_out
+from astage._format.layouts import LayoutCache, PendingLayout
+from astage._util.timeslice import Steps
 from tests.helpers import (  # noqa: F401 - autouse fixture
     collections_started,
     heartbeat_gaps,
@@ -210,12 +210,12 @@ async def test_a_changed_scalar_that_would_break_the_header_cap_is_refused_as_a_
     cap = (
         dataclasses.replace(
             kept,
-            owner_rank=astage._layout_cache.RANK_LIMIT - 1,
-            holder_rank=astage._layout_cache.RANK_LIMIT - 1,
+            owner_rank=astage._format.layouts.RANK_LIMIT - 1,
+            holder_rank=astage._format.layouts.RANK_LIMIT - 1,
         ).header_nbytes()
         + 4096
     )
-    for module in (astage._format, astage._layout_cache):
+    for module in (astage._format.codec, astage._format.layouts):
         monkeypatch.setattr(module, "HEADER_CAP", cap)
     staged["nested"]["name"] = "n" * 8192
     with pytest.raises(astage.UnsupportedInputError, match="cap"):
@@ -269,7 +269,7 @@ async def test_repeated_saves_lay_out_once_and_restore_exactly(
         calls.append(kwargs["step"])
         return iter_lay_out(staged, **kwargs)
 
-    monkeypatch.setattr(astage._layout_cache, "iter_lay_out", counted)
+    monkeypatch.setattr(astage._format.layouts, "iter_lay_out", counted)
     state = model(0)  # trained in place, as model.state_dict() views the same storages
     saved: dict[int, Any] = {}
     async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
@@ -369,7 +369,7 @@ async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
 
 async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_its_plan() -> None:
     # The kept plan lives as long as the layout: made in one collector pause and promoted
-    # unwalked, like a stager's first stage (astage._gc), so no full pass lands on the loop.
+    # unwalked, like a stager's first stage (astage._util.collector), so no full pass lands on the loop.
     staged = {f"m{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
     cache = LayoutCache(rank=0)
     layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import astage
-from astage._format import encode
-from astage._markers import read_marker
-from astage._persist import write_checkpoint_file
+from astage._files.durable import write_checkpoint_file
+from astage._files.markers import read_marker
+from astage._format.codec import encode
 from astage.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import astage
-from astage import IntegrityError, PeerTimeoutError, ResourceError, TransportError, _restore
-from astage._restore import Inventory, plan_restore
+from astage import IntegrityError, PeerTimeoutError, ResourceError, TransportError
+from astage._checkpointer import collective_restore as _restore
+from astage._checkpointer.collective_restore import Inventory, plan_restore
 from tests.distributed import run_group, stop_self
 from tests.statedicts import rank_state, same_state, storage_key
 

@@ -1,4 +1,4 @@
-"""Middling host storages are copied with one ``memmove`` each (``astage._copy.DirectBatch``).
+"""Middling host storages are copied with one ``memmove`` each (``astage._staging.copies.DirectBatch``).
 
 ``copy_`` of a tensor of torch's intra-op grain or more forks an OpenMP team, which from a
 worker thread costs more than the copy (``DIRECT_MIN_NUMEL``).  The direct path must copy
@@ -15,9 +15,15 @@ import pytest
 import torch
 
 from astage import DefaultStager, StagingOptions, UnsupportedInputError
-from astage._copy import DIRECT_MAX_BYTES, DIRECT_MIN_NUMEL, DirectBatch, iter_copy_layout, run_batch
-from astage._plan import plan_state_dict
-from astage._slices import drive
+from astage._staging.copies import (
+    DIRECT_MAX_BYTES,
+    DIRECT_MIN_NUMEL,
+    DirectBatch,
+    iter_copy_layout,
+    run_batch,
+)
+from astage._staging.plan import plan_state_dict
+from astage._util.timeslice import drive
 from tests.statedicts import assert_same_tree, bytes_equal, tensors_of
 
 pytestmark = pytest.mark.anyio

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 import astage
-import astage._copy
-from astage._copy import LANE_MIN_COST, PAIR_COST_BYTES, CopyWork, copy_in_threads, copy_lanes, deal_lanes
+import astage._staging.copies
+from astage._staging.copies import (
+    LANE_MIN_COST,
+    PAIR_COST_BYTES,
+    CopyWork,
+    copy_in_threads,
+    copy_lanes,
+    deal_lanes,
+)
 from tests.helpers import quiet
 from tests.statedicts import assert_same_tree
 
@@ -31,7 +38,7 @@ def work_of(dst: list[torch.Tensor], src: list[torch.Tensor], per_batch: int) ->
 
 def test_lanes_leave_one_core_to_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     for cores, threads, lanes in [(1, 4, 1), (2, 2, 1), (3, 2, 2), (16, 2, 2), (16, 4, 4), (3, 8, 2)]:
-        monkeypatch.setattr(astage._copy, "usable_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(astage._staging.copies, "usable_cores", lambda cores=cores: cores)
         assert copy_lanes(threads) == lanes, (cores, threads)
 
 
@@ -59,14 +66,14 @@ async def test_every_pair_is_copied_once_across_lanes() -> None:
     threads: set[int] = set()
     work = work_of(dst, src, per_batch=100)
     assert len(deal_lanes(work, 3)) == 3
-    original = astage._copy.run_batch
+    original = astage._staging.copies.run_batch
 
-    def recording(batch: astage._copy.Batch, non_blocking: bool = False) -> None:
+    def recording(batch: astage._staging.copies.Batch, non_blocking: bool = False) -> None:
         threads.add(threading.get_ident())
         original(batch, non_blocking)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(astage._copy, "run_batch", recording)
+        patch.setattr(astage._staging.copies, "run_batch", recording)
         await copy_in_threads(work, anyio.CapacityLimiter(3), lanes=3)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
     assert len(threads) >= 2  # copied by more than one thread (the limiter allows 3)
@@ -80,9 +87,9 @@ async def test_a_failing_lane_raises_its_own_error_and_stops_the_others() -> Non
     dst[50] = torch.zeros(7)  # this pair's copy_ fails: sizes differ
     work = work_of(dst, src, per_batch=100)
     failed = threading.Event()
-    original = astage._copy.run_batch
+    original = astage._staging.copies.run_batch
 
-    def fail_first(batch: astage._copy.Batch, non_blocking: bool = False) -> None:
+    def fail_first(batch: astage._staging.copies.Batch, non_blocking: bool = False) -> None:
         if batch[0][50] is dst[50]:
             try:
                 original(batch, non_blocking)
@@ -92,7 +99,7 @@ async def test_a_failing_lane_raises_its_own_error_and_stops_the_others() -> Non
         original(batch, non_blocking)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(astage._copy, "run_batch", fail_first)
+        patch.setattr(astage._staging.copies, "run_batch", fail_first)
         with pytest.raises(RuntimeError, match="must match"):  # not an ExceptionGroup
             await copy_in_threads(work, anyio.CapacityLimiter(2), lanes=2)
     assert failed.is_set()
@@ -106,24 +113,24 @@ async def test_a_cancelled_copy_waits_for_every_lane_to_stop() -> None:
     dst, src = pairs(4000, 1024)
     work = work_of(dst, src, per_batch=50)
     started = threading.Event()
-    original = astage._copy.run_batch
+    original = astage._staging.copies.run_batch
     scope = anyio.CancelScope()
 
-    def cancel_on_first(batch: astage._copy.Batch, non_blocking: bool = False) -> None:
+    def cancel_on_first(batch: astage._staging.copies.Batch, non_blocking: bool = False) -> None:
         if not started.is_set():
             started.set()
             anyio.from_thread.run_sync(scope.cancel)
         original(batch, non_blocking)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(astage._copy, "run_batch", cancel_on_first)
+        patch.setattr(astage._staging.copies, "run_batch", cancel_on_first)
         with scope:
             await copy_in_threads(work, anyio.CapacityLimiter(2), lanes=2)
     assert scope.cancelled_caught
     # Every lane's thread has stopped when the cancellation arrives: nothing copies later.
     for d in dst:
         d.fill_(-1.0)
-    await quiet(astage._copy, window=0.02)
+    await quiet(astage._staging.copies, window=0.02)
     assert all(bool((d == -1.0).all()) for d in dst)
 
 
@@ -131,7 +138,7 @@ async def test_a_cancelled_copy_waits_for_every_lane_to_stop() -> None:
 async def test_a_stager_with_two_lanes_stages_many_small_tensors_exactly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(astage._copy, "usable_cores", lambda: 3)
+    monkeypatch.setattr(astage._staging.copies, "usable_cores", lambda: 3)
     gen = torch.Generator().manual_seed(3)
     sd = {f"layer{i}": {"w": torch.randn(64, 64, generator=gen), "b": torch.randn(64)} for i in range(800)}
     async with astage.DefaultStager(threads=2) as stager:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from astage import DefaultStager, StagingOptions
-from astage._copy import Batch, group_by_device, iter_copy_layout
-from astage._plan import plan_state_dict
-from astage._slices import drive
+from astage._staging.copies import Batch, group_by_device, iter_copy_layout
+from astage._staging.plan import plan_state_dict
+from astage._util.timeslice import drive
 from tests.statedicts import assert_same_tree
 
 pytestmark = pytest.mark.anyio

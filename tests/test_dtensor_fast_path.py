@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import astage
 from astage import DefaultStager, StagingOptions
-from astage._format import FileLayout, lay_out
-from astage._layout_cache import LayoutCache, PendingLayout
+from astage._format.codec import FileLayout, lay_out
+from astage._format.layouts import LayoutCache, PendingLayout
 from tests.distributed import run_group
 from tests.fsdp2_job import fsdp2_job, train_step
 from tests.statedicts import storage_key

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 import astage
-from astage._format import decode, parse_prefix
-from astage._persist import find_replicas, load_checkpoint_file
+from astage._files.durable import find_replicas, load_checkpoint_file
+from astage._format.codec import decode, parse_prefix
 from tests.distributed import run_group
 from tests.fsdp2_job import fsdp2_job, train_step
 

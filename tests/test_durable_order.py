@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import pytest
 
-from astage._persist import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
+from astage._files.durable import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
 from tests.strace import (
     MKDIRS,
     OPENS,

@@ -10,8 +10,8 @@ import anyio
 import pytest
 import torch
 
-from astage._format import encode
-from astage._persist import write_checkpoint_file
+from astage._files.durable import write_checkpoint_file
+from astage._format.codec import encode
 from astage.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent

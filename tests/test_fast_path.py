@@ -15,11 +15,11 @@ import anyio
 import pytest
 import torch
 
-import astage._copy
+import astage._staging.copies
 from astage import DefaultStager, StagingOptions, UnsupportedInputError
-from astage._match import iter_fast_plan, iter_match
-from astage._plan import plan_state_dict
-from astage._slices import drive
+from astage._staging.plan import plan_state_dict
+from astage._staging.recheck import iter_fast_plan, iter_match
+from astage._util.timeslice import drive
 from tests.helpers import collections_started, heartbeat_gaps, run_cancelled_at
 from tests.statedicts import assert_same_tree, bytes_equal, storage_key, tensors_of
 
@@ -588,7 +588,7 @@ async def test_a_first_stage_keeps_few_objects_per_tensor_for_the_collector() ->
         gc.collect()
         before = len(gc.get_objects())
         await stager.release(await stager.stage(sd))  # kept whole, with its plan
-        for _ in range(2):  # a first stage's objects are promoted unwalked (astage._gc): a
+        for _ in range(2):  # a first stage's objects are promoted unwalked (astage._util.collector): a
             gc.collect()  # pass untracks the tuples of atoms, the next the tuples of those
         assert len(gc.get_objects()) - before <= 4.5 * n  # 8 a tensor before this was fixed
 
@@ -736,7 +736,7 @@ async def test_skip_unchanged_recopies_a_source_written_while_it_was_being_copie
     sd = lora_like()
     target = sd["trainable"]["lora1"]
     copying = {"stage": -1}
-    original = astage._copy.run_batch
+    original = astage._staging.copies.run_batch
 
     def copy_then_write(batch: Any, non_blocking: bool = False) -> None:
         original(batch, non_blocking)
@@ -744,7 +744,7 @@ async def test_skip_unchanged_recopies_a_source_written_while_it_was_being_copie
             with torch.no_grad():
                 target.add_(100)  # after its bytes were copied: this stage's copy is stale
 
-    monkeypatch.setattr(astage._copy, "run_batch", copy_then_write)
+    monkeypatch.setattr(astage._staging.copies, "run_batch", copy_then_write)
     async with DefaultStager(StagingOptions(skip_unchanged=True, use_pinned_memory=False)) as stager:
         for stage in range(3):
             copying["stage"] = stage

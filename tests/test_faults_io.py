@@ -34,7 +34,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from astage._persist import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
+from astage._files.durable import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
 from tests.strace import (
     CHUNK,
     CLEANUP,
@@ -140,7 +140,7 @@ import sys
 from pathlib import Path
 
 import anyio
-from astage._persist import write_checkpoint_file
+from astage._files.durable import write_checkpoint_file
 
 final, data = sys.argv[1], Path(sys.argv[2]).read_bytes()
 anyio.run(lambda: write_checkpoint_file(final, [data], chunk_nbytes=int(sys.argv[3])))

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._format import (
+from astage._format.codec import (
     ALIGNMENT,
     DTYPES,
     FIXED_PREFIX_NBYTES,
@@ -44,9 +44,9 @@ from astage._format import (
     prefix_nbytes,
     verify_body,
 )
-from astage._parse_bound import _parse_budget, _table_cost
-from astage._plan import DictNode
-from astage._tensor_table import _split_tables
+from astage._format.parse_bound import _parse_budget, _table_cost
+from astage._format.tables import _split_tables
+from astage._staging.plan import DictNode
 from tests.statedicts import nested_tensors, random_tensor, rich_state_dict, storage_key, tensors_of
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -1119,17 +1119,17 @@ def test_every_header_the_encoder_writes_parses_within_the_bound(make: Any) -> N
 def test_tensor_runs_parse_within_the_bound_while_the_shared_nodes_grow(
     tensors: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A run's nodes are slices of astage._plan's shared tuple, which grows 4,096 nodes at a
+    # A run's nodes are slices of astage._staging.plan's shared tuple, which grows 4,096 nodes at a
     # time as positions are first needed: the parse that grows it must fit the bound too.
     encoded = encode(
         {"r": {f"{i}": torch.zeros(()) for i in range(tensors)}}, owner_rank=0, step=0, checkpoint_id=""
     )
     assert b'["dict",["0","1",' in encoded.prefix
-    monkeypatch.setattr(astage._plan, "_tensor_nodes", ())
+    monkeypatch.setattr(astage._staging.plan, "_tensor_nodes", ())
     header_len = struct.unpack_from("<Q", encoded.prefix, 12)[0]
     peak, valid = _parse_peak(encoded.prefix)
     assert valid
-    assert len(astage._plan._tensor_nodes) >= tensors  # grown during that parse
+    assert len(astage._staging.plan._tensor_nodes) >= tensors  # grown during that parse
     assert peak <= PARSE_AMPLIFICATION * header_len + PARSE_SLACK, peak / header_len
 
 
@@ -1198,7 +1198,7 @@ def test_relabel_makes_another_ranks_prefix_over_the_same_body() -> None:
     assert_same_tree(SMALL, read(b"".join(relabelled.buffers())))
     with pytest.raises(astage.ConfigurationError, match="holder_rank"):
         encoded.relabel(owner_rank=0, holder_rank=-1)
-    received = astage._format.Encoded(encoded.prefix, encoded.segments, encoded.body_nbytes)
+    received = astage._format.codec.Encoded(encoded.prefix, encoded.segments, encoded.body_nbytes)
     with pytest.raises(astage.ConfigurationError, match="relabel"):
         received.relabel(owner_rank=0, holder_rank=1)
 
@@ -1317,6 +1317,6 @@ def test_gaps_are_judged_dirty_exactly_in_batches_of_any_size(
         want.append(dirty)
         at = start + n
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(astage._format, "_GAP_GATHER_BYTES", batch)
-        got = astage._format._dirty_gaps(body, np.array(starts), np.array(ends))
+        patch.setattr(astage._format.codec, "_GAP_GATHER_BYTES", batch)
+        got = astage._format.codec._dirty_gaps(body, np.array(starts), np.array(ends))
     assert got.tolist() == want

@@ -15,15 +15,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astage import _format
-from astage._errors import IntegrityError
-from astage._format import Segment, Segments, _FilePlanner, _storage_views
-from astage._format_spec import PARSE_AMPLIFICATION, PARSE_SLACK
-from astage._header_tree import _HeaderParser, _TreeEncoder
-from astage._parse_bound import _joined_cost, _parse_cost, _text_tokens, _unpadded_len
-from astage._plan import StagePlan
-from astage._slices import drive
-from astage._tensor_table import _rows
+from astage._format import codec as _format
+from astage._format.codec import Segment, Segments, _FilePlanner, _storage_views
+from astage._format.parse_bound import _joined_cost, _parse_cost, _text_tokens, _unpadded_len
+from astage._format.spec import PARSE_AMPLIFICATION, PARSE_SLACK
+from astage._format.tables import _rows
+from astage._format.tree import _HeaderParser, _TreeEncoder
+from astage._staging.plan import StagePlan
+from astage._util.errors import IntegrityError
+from astage._util.timeslice import drive
 from tests.test_format import _VERSION_2_DOC, _forge_version, _parse_peak
 
 

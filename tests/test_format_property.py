@@ -27,12 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import astage
-from astage._format import DTYPES, NUMPY_DTYPES, decode, encode, parse_prefix
-from astage._format_spec import FLAG_CONJ, FLAG_NEG, FLAG_REQUIRES_GRAD, allowed_flags, tensor_refused
-from astage._header_cache import HeaderCache
-from astage._header_tree import _TreeEncoder
-from astage._plan import DictNode, StagePlan, StorageSpec, TensorKind, TensorNode, TensorSpec
-from astage._slices import drive
+from astage._format.codec import DTYPES, NUMPY_DTYPES, decode, encode, parse_prefix
+from astage._format.header_cache import HeaderCache
+from astage._format.spec import FLAG_CONJ, FLAG_NEG, FLAG_REQUIRES_GRAD, allowed_flags, tensor_refused
+from astage._format.tree import _TreeEncoder
+from astage._staging.plan import DictNode, StagePlan, StorageSpec, TensorKind, TensorNode, TensorSpec
+from astage._util.timeslice import drive
 from tests.test_format import _table_edit
 
 _SCALE = max(1, int(os.environ.get("ASTAGE_SOAK_SCALE", "1")))

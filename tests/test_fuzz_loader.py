@@ -60,7 +60,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._format import (
+from astage._files.durable import find_replicas, load_checkpoint_file_sync
+from astage._format.codec import (
     ALIGNMENT,
     FIXED_PREFIX_NBYTES,
     FORMAT_VERSION,
@@ -73,8 +74,7 @@ from astage._format import (
     encode,
     parse_prefix,
 )
-from astage._persist import find_replicas, load_checkpoint_file_sync
-from astage._replication import _read_replica_file
+from astage._replication.stager import _read_replica_file
 from tests.statedicts import ALL_DTYPES, random_tensor, tensors_of
 
 EXAMPLES = int(os.environ.get("ASTAGE_FUZZ_EXAMPLES", "300"))

@@ -1,11 +1,11 @@
-"""The one owner of pausing the cyclic collector (astage._gc): nesting, threads, promotion."""
+"""The one owner of pausing the cyclic collector (astage._util.collector): nesting, threads, promotion."""
 
 from __future__ import annotations
 
 import gc
 import threading
 
-from astage._gc import PROMOTE_AT, gc_paused, promote
+from astage._util.collector import PROMOTE_AT, gc_paused, promote
 from tests.helpers import collections_started
 
 
@@ -83,7 +83,7 @@ def test_parsing_and_decoding_many_tensors_run_no_collection_and_promote_what_th
     import numpy as np
     import torch
 
-    from astage._format import decode, encode, parse_prefix
+    from astage._format.codec import decode, encode, parse_prefix
 
     state = {f"t{i}": torch.full((2,), float(i)) for i in range(2 * PROMOTE_AT)}
     encoded = encode(state, owner_rank=0, step=0, checkpoint_id="")

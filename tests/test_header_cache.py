@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import astage
-from astage._format import FIXED_PREFIX_NBYTES, FORMAT_VERSION, encode, parse_prefix
-from astage._format_spec import ALIGNMENT, MAGIC
-from astage._header_cache import HeaderCache
+from astage._format.codec import FIXED_PREFIX_NBYTES, FORMAT_VERSION, encode, parse_prefix
+from astage._format.header_cache import HeaderCache
+from astage._format.spec import ALIGNMENT, MAGIC
 
 
 def state(**changes: Any) -> dict[str, Any]:

@@ -9,8 +9,8 @@ import crc32c
 import pytest
 import torch
 
-from astage._format import Encoded, FileHeader, encode, parse_prefix
-from astage._markers import encoded_storages_crc32c, storages_crc32c
+from astage._files.markers import encoded_storages_crc32c, storages_crc32c
+from astage._format.codec import Encoded, FileHeader, encode, parse_prefix
 
 
 def reference(header: FileHeader) -> int:

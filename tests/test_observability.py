@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from astage import ConfigurationError, DefaultStager, StageStats, StagingOptions
-from astage._pool import BufferPool
+from astage._staging.pool import BufferPool
 
 POOL_LOGGER = "astage.pool"
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import astage
-from astage._format import (
+from astage._format.codec import (
     FIXED_PREFIX_NBYTES,
     FORMAT_VERSION,
     PARSE_AMPLIFICATION,
@@ -31,7 +31,7 @@ from astage._format import (
     encode,
     parse_checked,
 )
-from astage._parse_bound import NODE_COSTS, namedtuple_cost
+from astage._format.parse_bound import NODE_COSTS, namedtuple_cost
 from tests.statedicts import nested_tensors
 from tests.test_format import _DENSE_HEADERS, _forge_version
 

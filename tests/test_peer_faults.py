@@ -33,14 +33,14 @@ import torch.distributed as dist
 
 import astage
 from astage import _transport
-from astage._format import _prefix_bytes, encode, parse_prefix
-from astage._persist import (
+from astage._files.durable import (
     find_replicas,
     is_temp_name,
     load_checkpoint_file_sync,
     replica_path,
     sweep_stale_temps,
 )
+from astage._format.codec import _prefix_bytes, encode, parse_prefix
 from tests.distributed import RankResult, kill_self, run_group, stop_self
 from tests.statedicts import assert_same_tree
 
@@ -189,7 +189,7 @@ def malformed(case: str) -> tuple[bytes, bytes]:
         # The header is the binary tables, then the JSON tree: a key added to the JSON.
         header = prefix[20 : 20 + int.from_bytes(prefix[12:20], "little")]
         tables, _, doc = header.partition(b'{"format":')
-        version = b"%d," % astage._format.FORMAT_VERSION
+        version = b"%d," % astage._format.codec.FORMAT_VERSION
         hostile = tables + b'{"format":' + doc.replace(version, version + b'"exec":"__import__(\'os\')",', 1)
         assert hostile != header
         return _prefix_bytes(hostile), body

@@ -28,9 +28,8 @@ import pytest
 import torch
 
 import astage
-from astage import _format, _persist
-from astage._format import Encoded, encode
-from astage._persist import (
+from astage._files import durable as _persist
+from astage._files.durable import (
     CheckpointFileWriter,
     blocking_io,
     find_replicas,
@@ -42,6 +41,8 @@ from astage._persist import (
     temp_path_for,
     write_checkpoint_file,
 )
+from astage._format import codec as _format
+from astage._format.codec import Encoded, encode
 from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
 
 

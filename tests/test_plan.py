@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from astage import UnsupportedInputError
-from astage._plan import TensorKind, plan_state_dict
-from astage._rebuild import rebuild
+from astage._staging.plan import TensorKind, plan_state_dict
+from astage._staging.rebuild import rebuild
 from tests.statedicts import assert_same_tree, rich_state_dict, storage_key
 
 
@@ -128,7 +128,7 @@ def test_conjugate_and_negative_views_keep_their_values() -> None:
 
 
 def test_tensor_nodes_are_shared_between_plans_and_right_past_the_shared_range() -> None:
-    from astage._plan import SHARED_TENSOR_NODES, TensorNode, tensor_nodes
+    from astage._staging.plan import SHARED_TENSOR_NODES, TensorNode, tensor_nodes
 
     nodes = tensor_nodes(5, 9000)
     assert nodes == tuple(TensorNode(i) for i in range(5, 9000))

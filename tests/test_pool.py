@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from astage import CapacityError, ClosedError
-from astage._pool import BufferKind, BufferPool, Lease
+from astage._staging.pool import BufferKind, BufferPool, Lease
 from tests.helpers import heartbeat_gaps
 
 pytestmark = pytest.mark.anyio
@@ -76,7 +76,7 @@ async def test_a_buffer_its_holder_resized_is_accounted_as_leased_and_not_reused
 
 async def test_new_buffers_are_faulted_in_by_the_first_copy_not_by_the_pool() -> None:
     # Faulting every page in at allocation (one thread a buffer) made a first stage up to 3x
-    # slower than letting the copy fault them in, in its own threads (astage._pool).
+    # slower than letting the copy fault them in, in its own threads (astage._staging.pool).
     size = 64 << 20
     before = psutil.Process().memory_info().rss
     lease = await BufferPool().acquire([size])

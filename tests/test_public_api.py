@@ -59,7 +59,7 @@ PUBLIC = {
 }
 
 # Exported once, no longer: each still resolves from astage, silently, outside __all__.
-RETIRED = {"BufferPool": "astage._pool", "BufferKind": "astage._pool"}
+RETIRED = {"BufferPool": "astage._staging.pool", "BufferKind": "astage._staging.pool"}
 
 API_DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.rst"
 
@@ -117,7 +117,7 @@ def test_the_first_release_aliases_of_the_file_readers_are_gone(name: str) -> No
     assert name not in astage.__all__
     with pytest.raises(AttributeError, match=name):
         getattr(astage, name)
-    assert not hasattr(importlib.import_module("astage._persist"), name)
+    assert not hasattr(importlib.import_module("astage._files.durable"), name)
 
 
 def test_the_api_docs_name_the_removed_aliases() -> None:

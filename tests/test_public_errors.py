@@ -18,7 +18,7 @@ import torch
 
 import astage
 from astage import UnsupportedInputError
-from astage._errors import one_error
+from astage._util.errors import one_error
 from tests.distributed import run_group
 
 

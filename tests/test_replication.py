@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import astage
 from astage import ConfigurationError, PeerTimeoutError, PersistError, TransportError
-from astage._format import FileLayout, encode
-from astage._persist import is_temp_name, replica_path
+from astage._files.durable import is_temp_name, replica_path
+from astage._format.codec import FileLayout, encode
 from tests.distributed import kill_self, run_group, stop_self
 from tests.statedicts import rank_state, same_state, storage_key
 

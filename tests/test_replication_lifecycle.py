@@ -19,7 +19,7 @@ import torch
 
 import astage
 from astage import ConfigurationError, ReplicationPhase, _transport
-from astage._format import FileLayout
+from astage._format.codec import FileLayout
 from tests.distributed import run_group
 from tests.statedicts import bytes_equal
 

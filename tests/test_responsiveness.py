@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from astage import Checkpointer, DefaultStager
-from astage._gc import gc_paused
-from astage._match import iter_fast_plan
-from astage._plan import iter_plan
-from astage._slices import Steps, drive
+from astage._staging.plan import iter_plan
+from astage._staging.recheck import iter_fast_plan
+from astage._util.collector import gc_paused
+from astage._util.timeslice import Steps, drive
 from tests.helpers import Beats, collections_started, heartbeat_gaps
 
 T = TypeVar("T")

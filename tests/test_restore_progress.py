@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 import astage
-import astage._local_restore
-import astage._persist
+import astage._checkpointer.local_restore
+import astage._files.durable
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
 from tests.statedicts import assert_same_tree
@@ -27,7 +27,7 @@ CHUNK = 64 << 10
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(astage._persist, "CHUNK_NBYTES", CHUNK)
+    monkeypatch.setattr(astage._files.durable, "CHUNK_NBYTES", CHUNK)
 
 
 def ramps(calls: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
@@ -151,7 +151,7 @@ async def test_a_long_restore_logs_its_progress(
         await ckpt.save(4, model_state(4, STATE_NBYTES))
         await ckpt.wait()
         # "Long" is over a second; rather than wait one, every report is due at once.
-        monkeypatch.setattr(astage._local_restore, "_LOG_EVERY", 0.0)
+        monkeypatch.setattr(astage._checkpointer.local_restore, "_LOG_EVERY", 0.0)
         with caplog.at_level(logging.INFO, logger="astage.checkpointer"):
             await ckpt.restore()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restoring step 4: ")]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from astage import BlockingStager, DefaultStager, StagingOptions
-from astage._options import accelerator_available
-from astage._stager import AsyncStager
+from astage._staging.options import accelerator_available
+from astage._staging.stager import AsyncStager
 from tests.helpers import run_cancelled_at
 from tests.snapshots import assert_matches, take, tensors_of
 from tests.statedicts import random_tensor

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._format import encode, lay_out, parse_prefix
-from astage._header_cache import HeaderCache
-from astage._layout_cache import LayoutCache, PendingLayout
+from astage._format.codec import encode, lay_out, parse_prefix
+from astage._format.header_cache import HeaderCache
+from astage._format.layouts import LayoutCache, PendingLayout
 
 ID = "0" * 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from astage._slices import SLICE_SECONDS, Steps, run_steps, slice_over
+from astage._util.timeslice import SLICE_SECONDS, Steps, run_steps, slice_over
 
 pytestmark = pytest.mark.anyio
 

@@ -272,7 +272,7 @@ def test_stagers_satisfy_the_protocol() -> None:
     assert isinstance(BlockingStager(), AsyncStager)
 
 
-@pytest.mark.skipif(astage._options.accelerator_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.skipif(astage._staging.options.accelerator_available(), reason="checks the CPU-only behaviour")
 @pytest.mark.parametrize("name", ["use_pinned_memory", "use_non_blocking_copy"])
 def test_asking_for_accelerator_features_without_one_is_a_configuration_error(name: str) -> None:
     with pytest.raises(ConfigurationError, match=name):

@@ -45,8 +45,8 @@ from astage import (
     UnsupportedInputError,
     wait_event,
 )
-from astage._plan import MAX_DEPTH
-from astage._pool import BufferKind, BufferPool
+from astage._staging.plan import MAX_DEPTH
+from astage._staging.pool import BufferKind, BufferPool
 from tests.helpers import until
 from tests.statedicts import assert_same_tree, storage_key
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingO
 
 import astage
 from astage import ConfigurationError
-from astage._options import accelerator_available
+from astage._staging.options import accelerator_available
 from tests.distributed import run_group
 
 needs_no_accelerator = pytest.mark.skipif(

@@ -30,7 +30,14 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import astage
-from astage._format import FIXED_PREFIX_NBYTES, FORMAT_VERSION, NUMPY_DTYPES, decode, encode, parse_prefix
+from astage._format.codec import (
+    FIXED_PREFIX_NBYTES,
+    FORMAT_VERSION,
+    NUMPY_DTYPES,
+    decode,
+    encode,
+    parse_prefix,
+)
 from tests.helpers import (
     expand_tensor_runs,
     no_blocking_calls_on_the_loop,  # noqa: F401 - autouse fixture
@@ -415,7 +422,7 @@ def _as_version(state: Any, version: int, edit: Any = None) -> bytes:
     json_end = FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]
     doc = json.loads(data[json_start:json_end])
     doc["tree"] = expand_tensor_runs(doc["tree"])
-    names = {dtype: name for name, dtype in astage._format.DTYPES.items()}
+    names = {dtype: name for name, dtype in astage._format.codec.DTYPES.items()}
     kinds = {"TENSOR": "tensor", "PARAMETER": "parameter", "NDARRAY": "ndarray"}
     doc["tensors"] = [
         [

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 import astage
-from astage._format import _StorageSegments
-from astage._slices import drive
+from astage._format.codec import _StorageSegments
 from astage._transport import (
     MAGIC,
     PREAMBLE_TAG,
@@ -38,6 +37,7 @@ from astage._transport import (
 )
 from astage._transport._exchange import _pack
 from astage._transport._protocol import Gather
+from astage._util.timeslice import drive
 from tests.distributed import RankResult, kill_self, run_group, stop_self
 from tests.payloads import KINDS, SMALL_CHUNK, body_of, check_received, make_payload, outcome, ring_cases
 

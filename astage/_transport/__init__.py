@@ -35,7 +35,7 @@ The protocol above is the same on every backend; a *wire* per backend moves the 
   received message lands in a bounce buffer and is copied device-to-host on a second side
   stream, and counts as received once that copy has completed.  NCCL's
   ``Work.is_completed()`` queries the work's CUDA end event, so completion is polled from
-  the loop with :func:`astage._events.wait_event`'s back-off and no thread waits.  NCCL
+  the loop with :func:`astage._staging.events.wait_event`'s back-off and no thread waits.  NCCL
   ignores tags and runs a rank's point-to-point work on one stream in launch order: a lone
   send to a peer that is itself sending would never complete, so the k-th message of each
   direction is launched together with the k-th of the other, as one ``batch_isend_irecv``

@@ -33,8 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
-from .._slices import drive
+from .._util.errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
+from .._util.timeslice import drive
 from ._exchange import PackBuffers, _allocate_body, _pack, direct_tensor
 from ._protocol import (
     ACK_BYTES,

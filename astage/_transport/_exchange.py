@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigurationError
-from .._slices import run_steps
-from .._threads import run_sync
+from .._util.errors import ConfigurationError
+from .._util.threads import run_sync
+from .._util.timeslice import run_steps
 from ._link import Link
 from ._protocol import (
     ACK_BYTES,

@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigurationError
-from .._threads import run_sync
+from .._util.errors import ConfigurationError
+from .._util.threads import run_sync
 from ._protocol import BREAK_TAG
 from ._wire import Message, Route
 

@@ -25,7 +25,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
+from .._util.errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
 from ._gloo import GlooWire
 from ._nccl import NcclWire
 from ._protocol import ExchangeStats, Received, wire_kind

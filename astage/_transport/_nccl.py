@@ -7,7 +7,7 @@ worker thread otherwise) and the NCCL launch waits for that stream; a received m
 lands in a bounce buffer and is copied device-to-host on a second side stream, and counts
 as received once that copy has completed.  NCCL's ``Work.is_completed()`` queries the
 work's CUDA end event, so completion is polled from the loop with
-:func:`astage._events.wait_event`'s back-off and no thread waits.  The k-th message of each
+:func:`astage._staging.events.wait_event`'s back-off and no thread waits.  The k-th message of each
 direction is launched together with the k-th of the other, as one ``batch_isend_irecv``
 (:class:`~._pairing.Pairing` schedules them).  Launches run one at a time, in order, in a
 worker thread: the first one on a group creates its NCCL communicator and blocks until
@@ -22,9 +22,9 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigurationError
-from .._events import Queryable, wait_event
-from .._threads import run_sync
+from .._staging.events import Queryable, wait_event
+from .._util.errors import ConfigurationError
+from .._util.threads import run_sync
 from ._pairing import Pairing
 from ._wire import Message, Route
 

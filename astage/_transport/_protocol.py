@@ -20,9 +20,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .._errors import ConfigurationError, IntegrityError
-from .._limits import CHUNK_BYTES as CHUNK_BYTES  # the default body chunk, shared with the writers
-from .._slices import Steps, slice_over
+from .._util.errors import ConfigurationError, IntegrityError
+from .._util.limits import CHUNK_BYTES as CHUNK_BYTES  # the default body chunk, shared with the writers
+from .._util.timeslice import Steps, slice_over
 
 MAGIC = 0x4153_5441_4745_5752
 """First preamble word: ``b"ASTAGEWR"`` read as a big-endian int64."""

@@ -1,0 +1,872 @@
+"""The Checkpointer: save / latest / restore over a stager, durable files and replication.
+
+``await ckpt.save(step, state_dict)`` returns once the state is staged; the save's own
+worker thread (or, for a replication object that needs the loop, a task) then encodes the
+staged copy (:mod:`astage._format.codec`) and writes it durably (:mod:`astage._files.durable`) while it
+hands the copy to the replication object, if there is one; once both are done, it commits
+(:mod:`astage._checkpointer.save_pipeline`); a task the Checkpointer owns keeps the books.
+This module is the façade
+and the bookkeeping of saves in flight; the rest has a module of its own:
+
+* :mod:`astage._files.directory`: the directory's layout (step directories, file names) and the
+  per-rank lock;
+* :mod:`astage._files.markers`: commit markers, written last and read back as untrusted input;
+* :mod:`astage._files.retention`: the start-up sweep and index, retention, discarding a failed save;
+* :mod:`astage._checkpointer.local_restore`: a restore from the own file or a replica found elsewhere
+  (the collective restore is :mod:`astage._checkpointer.collective_restore`).
+
+Invariants:
+
+* A step is committed exactly when its marker exists; the marker is written (temp file,
+  fsync, rename, directory fsync) only after every file it names is durable, so a crash at
+  any instruction leaves every committed step loadable.  :meth:`Checkpointer.steps` and
+  :meth:`Checkpointer.latest` report committed steps only.
+* Retention runs only right after a commit and never removes the step just committed; it
+  never fails the save whose commit triggered it (a commit stands once its marker is durable).
+* Nothing below the directory is followed (see :mod:`astage._files.directory`).
+* Start-up removes what crashed runs of this rank left: astage temp files and step files
+  without a marker, nothing else; an exclusive lock keeps a live writer's files safe.
+* At most ``max_in_flight`` saves are past staging and not yet finished; a further
+  ``save`` waits *before* staging, so memory never piles up.
+* Replication and commits run in save order, and replication is called for every staged
+  save, even one whose local write failed: ranks that make the same sequence of ``save``
+  calls make the same sequence of replication calls (peer exchanges stay in step).
+* Every staged copy goes back to its stager, and an uncommitted step's files are removed,
+  whatever ends a save (success, error, cancellation).  A failed save is never committed;
+  its error is raised once, by the next ``save`` or ``wait`` (or its handle's ``wait``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import anyio
+import anyio.abc
+
+from .._files.directory import open_and_lock, open_step_dir, rank_file_names, step_dir_name, step_dir_opener
+from .._files.durable import blocking_io, load_checkpoint_file
+from .._files.markers import Marker
+from .._files.retention import Retention, scan
+from .._format.codec import FileHeader
+from .._staging.stager import AsyncStager, DefaultStager, StageStats
+from .._util.errors import (
+    AstageError,
+    ClosedError,
+    ConfigurationError,
+    PersistError,
+    ResourceError,
+)
+from .._util.frames import drop_frames
+from .._util.limits import INT64 as _INT64
+from .._util.limits import RANK_LIMIT as _RANK_LIMIT
+from .._util.resource import AsyncResource
+from .._util.validate import check_path
+from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
+from .save_pipeline import EventKind, Job, Persister
+
+log = logging.getLogger("astage.checkpointer")
+
+# -- protocols ----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Replicator(Protocol):
+    """What the Checkpointer needs from a replication object (``astage.ReplicationStager``).
+
+    ``replicate_staged`` is called once per staged save, in save order, while the local
+    file is written; it must not change the staged copy.  An exception fails the save.
+
+    One optional capability, declared rather than guessed from the method's signature: a
+    class whose ``replicate_staged`` also takes an ``encoded`` keyword argument says so with
+    the class attribute ``accepts_encoded = True``, in the same class body that defines
+    ``replicate_staged``.  The Checkpointer then passes ``encoded=``, the save's
+    :class:`astage._format.codec.Encoded` replica (owner this rank, no holder), encoded and
+    checksummed once for the local file and the replica alike.  Without the declaration (or
+    in a subclass that overrides ``replicate_staged`` without repeating it) the method is
+    called with ``staged``, ``step`` and ``checkpoint_id`` only.
+    :class:`astage.ReplicationStager` declares it.
+    """
+
+    async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> object:
+        """Send or store a replica of an already staged state_dict."""
+        ...
+
+
+@runtime_checkable
+class ReplicaSource(Protocol):
+    """A replication object that can also find this rank's replica of a step (optional)."""
+
+    async def fetch_replica(self, step: int) -> Path | None:
+        """A local path holding this rank's replica of ``step``, or ``None``."""
+        ...
+
+
+# -- stats and events ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+    """What one committed save cost.
+
+    :ivar step: the step saved.
+    :ivar nbytes: bytes of this rank's checkpoint file.
+    :ivar staging_seconds: how long ``save()`` kept the caller (back-pressure included).
+    :ivar backpressure_seconds: part of ``staging_seconds`` spent waiting for an earlier
+        save to finish (``max_in_flight``).
+    :ivar persist_seconds: encoding plus the durable write of the local file.
+    :ivar replicate_seconds: the replication call, ``None`` without replication.
+    :ivar total_seconds: from the ``save()`` call to the commit (the marker durable).
+    :ivar stage: the stager's own stats, where it records them (``last_stats``).
+    :ivar durable_at: when the marker became durable, on the ``time.perf_counter()``
+        clock: recorded by the thread that wrote it, at that moment, however busy the
+        event loop was then (``save() -> durable`` is this minus the time of the call).
+    """
+
+    step: int
+    nbytes: int
+    staging_seconds: float
+    backpressure_seconds: float
+    persist_seconds: float
+    replicate_seconds: float | None
+    total_seconds: float
+    stage: StageStats | None = None
+    durable_at: float | None = None
+
+    @property
+    def gbps(self) -> float:
+        """Persist throughput in GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.persist_seconds / 1e9 if self.persist_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveEvent:
+    """One progress report, passed to ``on_progress``.
+
+    :ivar kind: ``staged``, ``persisted``, ``replicated``, ``committed`` or ``failed``.
+    :ivar elapsed_seconds: since the ``save()`` call.
+    :ivar stats: the save's stats, on ``committed``.
+    :ivar error: why the save failed, on ``failed``.
+    """
+
+    kind: EventKind
+    step: int
+    checkpoint_id: str
+    elapsed_seconds: float
+    stats: SaveStats | None = None
+    error: AstageError | None = None
+
+
+# -- the Checkpointer -----------------------------------------------------------------------
+
+
+class SaveHandle:
+    """A save that was staged: :meth:`wait` for its commit.
+
+    :ivar step: the step being saved.
+    :ivar checkpoint_id: the unique id recorded in its file and marker.
+    :ivar staging_seconds: how long ``save()`` kept the caller.
+    """
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self.step = job.step
+        self.checkpoint_id = job.checkpoint_id
+        self.staging_seconds = job.staging_seconds
+
+    @property
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._job.done.is_set()
+
+    @property
+    def stats(self) -> SaveStats | None:
+        """The stats once committed, else ``None``."""
+        return self._job.stats
+
+    @property
+    def durable_at(self) -> float | None:
+        """When the save became durable (``time.perf_counter()``), as soon as it has, even
+        before the event loop has had a turn to hear of it; ``None`` until then."""
+        return self._job.durable_at
+
+    async def wait(self) -> SaveStats:
+        """Wait until this save is committed.
+
+        A failure raised here is not raised again by the Checkpointer's ``save``/``wait``.
+
+        :returns: the save's stats.
+        :raises PersistError: the save failed and was not committed (names the step).
+        """
+        await self._job.done.wait()
+        if self._job.stats is None:
+            self._job.reported = True
+            assert self._job.error is not None
+            raise self._job.error
+        return self._job.stats
+
+    def __repr__(self) -> str:
+        state = "committed" if self.stats else ("failed" if self.done else "in flight")
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+def _check_arguments(
+    stager: AsyncStager | None,
+    replication: Replicator | None,
+    keep: int | None,
+    max_in_flight: int,
+    rank: int,
+    on_progress: Callable[[SaveEvent], object] | None,
+    fallback_dirs: Iterable[str | os.PathLike[str]],
+    threads: int,
+) -> tuple[Path, ...]:
+    """Check the Checkpointer's arguments; the fallback directories as paths.
+
+    :raises ConfigurationError: an argument is out of range or of the wrong kind.
+    """
+    for name, value, lo in (
+        ("max_in_flight", max_in_flight, 1),
+        ("threads", threads, 1),
+        ("rank", rank, 0),
+    ):
+        if type(value) is not int or value < lo:
+            raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
+    if rank >= _RANK_LIMIT:
+        raise ConfigurationError(f"rank must be below 2**31, got {rank}")
+    if keep is not None and (type(keep) is not int or keep < 1):
+        raise ConfigurationError(f"keep must be an int >= 1 or None, got {keep!r}")
+    if replication is not None and not isinstance(replication, Replicator):
+        raise ConfigurationError(
+            f"replication must have an async replicate_staged() method, got {type(replication).__name__}"
+        )
+    if on_progress is not None and not callable(on_progress):
+        raise ConfigurationError("on_progress must be callable")
+    # Only stage() is used on a stager passed in (it is not closed here).
+    if stager is not None and not callable(getattr(stager, "stage", None)):
+        raise ConfigurationError(
+            f"stager must be an astage stager (an async stage() method), got {type(stager).__qualname__}"
+        )
+    if isinstance(fallback_dirs, str | bytes | os.PathLike):
+        # A lone path would be iterated character by character.
+        raise ConfigurationError(
+            f"fallback_dirs must be an iterable of paths, got the single path {fallback_dirs!r}"
+        )
+    if not isinstance(fallback_dirs, Iterable):
+        raise ConfigurationError(
+            f"fallback_dirs must be an iterable of paths, got {type(fallback_dirs).__qualname__}"
+        )
+    return tuple(check_path(f"fallback_dirs[{i}]", d) for i, d in enumerate(fallback_dirs))
+
+
+def _check_step(step: object) -> int:
+    if type(step) is not int or not 0 <= step < _INT64:
+        raise ConfigurationError(f"step must be an int in [0, 2**63), got {step!r}")
+    return step
+
+
+class Checkpointer(AsyncResource):
+    """Asynchronous checkpoints with commit markers, retention and replica fallback.
+
+    ::
+
+        async with astage.Checkpointer("ckpt", keep=3) as ckpt:
+            if ckpt.latest() is not None:
+                model.load_state_dict((await ckpt.restore())["model"])
+            for step in range(start, steps):
+                train_step()
+                if step % 100 == 0:
+                    await ckpt.save(step, {"model": model.state_dict()})  # returns once staged
+        # leaving the block waits for in-flight saves
+
+    Cancelling the scope around the ``async with`` abandons in-flight saves (nothing of
+    them is committed); ``await ckpt.wait()`` first to keep them.  Meant for one live
+    Checkpointer per directory and rank; several ranks may share a directory.
+
+    :param directory: where checkpoints live; created (mode 0700) if missing.
+    :param stager: stages the state_dicts; default: a :class:`DefaultStager` that the
+        Checkpointer creates and closes.  A stager passed in is not closed.
+    :param replication: called with each staged copy after the local write (see
+        :class:`Replicator`); not closed by the Checkpointer.
+    :param keep: committed steps to keep (the highest; the step just saved is always
+        kept); ``None`` keeps all.  Retention follows each commit in the background: until
+        it has run, up to ``max_in_flight + 1`` more committed steps may be on disk.
+    :param max_in_flight: saves that may be persisting at once; more ``save`` calls wait.
+    :param rank: this process's rank; names its files and the replicas it restores from.
+    :param on_progress: called on the event loop with a :class:`SaveEvent` at each stage
+        of each save; keep it quick.  Its exceptions are logged and ignored.
+    :param fallback_dirs: directories holding replicas (``*.astage``) that
+        :meth:`restore` may use when the local copy is missing or corrupt.
+    :param threads: worker threads for encoding and file I/O.
+    :raises ConfigurationError: an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        stager: AsyncStager | None = None,
+        replication: Replicator | None = None,
+        keep: int | None = 3,
+        max_in_flight: int = 1,
+        rank: int = 0,
+        on_progress: Callable[[SaveEvent], object] | None = None,
+        fallback_dirs: Iterable[str | os.PathLike[str]] = (),
+        threads: int = 2,
+    ) -> None:
+        fallbacks = _check_arguments(
+            stager, replication, keep, max_in_flight, rank, on_progress, fallback_dirs, threads
+        )
+        self._directory = check_path("directory", directory)
+        self._data_name, self._marker_name = rank_file_names(rank)
+        self._owns_stager = stager is None
+        self._stager: AsyncStager = DefaultStager() if stager is None else stager
+        self._replication = replication
+        self._retention = Retention(keep, self._marker_name)
+        self._max_in_flight = max_in_flight
+        self._rank = rank
+        self._on_progress = on_progress
+        self._fallback_dirs = fallbacks
+        self._threads = threads
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+        self._committed: dict[int, Marker] = {}
+        self._reserved: set[int] = set()  # steps between the start of save() and their end
+        self._jobs: dict[int, Job] = {}
+        self._unreported: list[Job] = []
+        self._last_done: anyio.Event | None = None
+        self._last_job: Job | None = None
+        self._retiring: anyio.Lock | None = None
+        self._idle: anyio.Event | None = None
+        self._lock_fd: int | None = None
+        self._dir_fd: int | None = None  # the checkpoint directory: step directories are opened from it
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._slots: anyio.Semaphore | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._persister: Persister | None = None  # made on entering: it writes relative to _dir_fd
+        self.last_stats: SaveStats | None = None
+        """The stats of the latest committed save."""
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def _enter(self) -> None:
+        """Open the directory: take the lock, sweep crashed runs' leftovers, index commits.
+
+        :raises ConfigurationError: the path is not a directory.
+        :raises ResourceError: another Checkpointer holds this directory for this rank.
+        :raises PersistError: the directory cannot be created, locked or listed.
+        :raises ClosedError: already entered.
+        """
+        if self._state != "new":
+            raise ClosedError("a Checkpointer can be entered only once")
+        self._limiter = anyio.CapacityLimiter(self._threads)
+        self._dir_fd, self._lock_fd = await blocking_io(
+            open_and_lock, self._directory, self._rank, limiter=self._limiter
+        )
+        try:
+            self._committed = await blocking_io(
+                scan, self._directory, self._dir_fd, self._rank, limiter=self._limiter
+            )
+            task_group = anyio.create_task_group()
+            await task_group.__aenter__()
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._release_lock()
+            if isinstance(exc, OSError) and not isinstance(exc, AstageError):
+                raise PersistError(f"cannot scan the checkpoint directory {self._directory}: {exc}") from exc
+            raise
+        self._task_group = task_group
+        self._slots = anyio.Semaphore(self._max_in_flight)
+        assert self._dir_fd is not None
+        self._persister = Persister(
+            self._directory,
+            self._dir_fd,
+            self._rank,
+            self._stager,
+            self._replication,
+            self._limiter,
+            self._emit,
+        )
+        self._state = "open"
+        log.debug("opened %s for rank %d: committed steps %s", self._directory, self._rank, self.steps())
+
+    async def _exit(self, exc: BaseException | None) -> None:
+        task_group = self._task_group
+        try:
+            await self._close(report=exc is None)
+        finally:
+            if task_group is not None:
+                self._task_group = None
+                # The saves are drained: only a cancellation is the task group's business.
+                # Another error from the block must reach the caller as it is, not in a group.
+                try:
+                    if isinstance(exc, anyio.get_cancelled_exc_class()):
+                        await task_group.__aexit__(type(exc), exc, exc.__traceback__)
+                    else:
+                        await task_group.__aexit__(None, None, None)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self._close_dir()
+
+    async def aclose(self) -> None:
+        """Wait for in-flight saves, then close the stager it created and the lock.
+
+        Idempotent.  Leaving ``async with`` calls it.
+
+        :raises PersistError: a save failed and was not yet reported (names the step);
+            everything is closed first.
+        """
+        await self._close(report=True)
+
+    async def _close(self, *, report: bool) -> None:
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            if report:
+                await self.wait()
+            else:
+                await self._drain()
+        finally:
+            if not self.closed:  # a concurrent aclose() may have finished
+                with anyio.CancelScope(shield=True):
+                    if self._owns_stager:
+                        await self._stager.aclose()
+                    await self._release_lock()
+                self._state = "closed"
+            if not report:
+                for job in self._take_unreported():
+                    log.error("checkpoint step %d failed and was never reported: %s", job.step, job.error)
+
+    async def _release_lock(self) -> None:
+        """Close the lock, and the directory unless an abandoned save's cleanup (or its
+        retention) still runs relative to it: ``__aexit__`` closes it once the task group is
+        done."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            await blocking_io(os.close, fd, limiter=self._limiter)
+        if not self._jobs and not self._reserved:
+            await self._close_dir()
+
+    async def _close_dir(self) -> None:
+        fd, self._dir_fd = self._dir_fd, None
+        if fd is not None:
+            await blocking_io(os.close, fd, limiter=self._limiter)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has finished."""
+        return self._state == "closed"
+
+    def _check_open(self, what: str) -> anyio.abc.TaskGroup:
+        if self._state == "new" or self._task_group is None:
+            raise ClosedError(f"{what}() needs an open Checkpointer: use `async with Checkpointer(...)`")
+        if self._state != "open":
+            raise ClosedError(f"{what}() called on a closed Checkpointer")
+        return self._task_group
+
+    # -- what is committed -----------------------------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory."""
+        return self._directory
+
+    @property
+    def rank(self) -> int:
+        """The rank whose files this Checkpointer writes and restores."""
+        return self._rank
+
+    def steps(self) -> list[int]:
+        """This rank's committed steps, oldest first (known since entering; no I/O)."""
+        return sorted(self._committed)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        return max(self._committed, default=None)
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Steps staged and not yet committed or failed, in save order."""
+        return tuple(self._jobs)
+
+    def step_dir(self, step: int) -> Path:
+        """The directory of ``step``'s files."""
+        return self._directory / step_dir_name(_check_step(step))
+
+    # -- saving --------------------------------------------------------------------------
+
+    async def save(self, step: int, state_dict: Any) -> SaveHandle:
+        """Stage ``state_dict`` and return; writing, replication and the commit go on.
+
+        Waits first while ``max_in_flight`` saves are persisting.  Once this returns, the
+        caller may change its tensors: the checkpoint holds the state as of this call.
+
+        With replication, every rank must make the same sequence of saves: a ``save`` that
+        raised has not happened, so retry it.
+
+        :returns: a handle to await the commit and read the stats.
+        :raises PersistError: an earlier save failed (names its step); nothing was saved.
+        :raises ConfigurationError: ``step`` is negative, not an int, in flight or committed.
+        :raises ClosedError: the Checkpointer is not open.
+        :raises UnsupportedInputError: the stager cannot stage ``state_dict``, or the
+            replica format cannot store a value in it (names its key path; checked here, so
+            nothing of it fails later), and the stager's other errors, e.g.
+            :class:`CapacityError`.
+        """
+        task_group = self._check_open("save")
+        self._raise_unreported()
+        _check_step(step)
+        if step in self._reserved or step in self._committed:
+            state = "being saved" if step in self._reserved else "committed"
+            raise ConfigurationError(f"step {step} is already {state} in {self._directory}")
+        assert self._slots is not None
+        started = time.perf_counter()
+        self._reserved.add(step)
+        handed_off = False
+        try:
+            await self._slots.acquire()
+            try:
+                job = await self._stage(step, state_dict, started)
+                await self._start(task_group, job)
+                handed_off = True
+            finally:
+                if not handed_off:
+                    self._slots.release()
+        finally:
+            if not handed_off:
+                self._unreserve(step)
+        self._emit("staged", job)
+        return SaveHandle(job)
+
+    async def _stage(self, step: int, state_dict: Any, started: float) -> Job:
+        """Stage ``state_dict`` and lay it out: the part of a save its caller waits for."""
+        assert self._persister is not None
+        waited = time.perf_counter() - started
+        stats: StageStats | None = None
+        refilled: int | None = None
+        stager = self._stager
+        if isinstance(stager, DefaultStager) and type(stager).stage is DefaultStager.stage:
+            # This stage's own stats, not the latest's (a subclass that overrides stage() is
+            # called through it).
+            staged, stats = await stager.stage_with_stats(state_dict)
+            # A copy it refilled in place, which it checked whole at its release, needs no
+            # new check of its tensors (see astage._format.layouts).
+            refilled = stats.copy if stats.refilled else None
+        else:
+            staged = await stager.stage(state_dict)
+            stats = getattr(stager, "last_stats", None)
+        checkpoint_id = uuid.uuid4().hex
+        try:
+            layout = await self._persister.lay_out(staged, step, checkpoint_id, refilled)
+        except BaseException:
+            staged = None  # given back by lay_out; the traceback keeps this frame
+            raise
+        return Job(
+            step=step,
+            checkpoint_id=checkpoint_id,
+            started=started,
+            staging_seconds=time.perf_counter() - started,
+            backpressure_seconds=waited,
+            stage_stats=stats if isinstance(stats, StageStats) else None,
+            previous=self._last_done,
+            staged=staged,
+            layout=layout,
+        )
+
+    async def _start(self, task_group: anyio.abc.TaskGroup, job: Job) -> None:
+        """Hand a staged job to its background task, after the saves before it.
+
+        Where the save runs in a worker thread, the thread starts here, before ``save()``
+        returns (see :meth:`Persister.launch`); the task only waits for it and keeps the books.
+        """
+        persister = self._persister
+        assert persister is not None
+        previous_done, self._last_done = self._last_done, job.done
+        job.before, self._last_job = self._last_job, job
+        self._jobs[job.step] = job
+        try:
+            task_group.start_soon(self._persist, job, name=f"astage checkpoint step {job.step}")
+        except BaseException:
+            del self._jobs[job.step]
+            self._last_done = previous_done
+            self._last_job, job.before = job.before, None
+            with anyio.CancelScope(shield=True):
+                await persister.release_staged(job)
+            raise
+        if persister.threaded:
+            try:
+                persister.launch(job)
+            except BaseException as exc:  # no thread to be had: the task reports the failure
+                job.chain_error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+                job.finished.set()
+                if not isinstance(exc, Exception):
+                    raise
+
+    async def wait(self) -> None:
+        """Wait until no save is in flight.
+
+        :raises PersistError: a save failed and was not yet reported (names the step).
+        """
+        await self._drain()
+        self._raise_unreported()
+
+    async def _drain(self) -> None:
+        while self._reserved:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
+
+    def _unreserve(self, step: int) -> None:
+        self._reserved.discard(step)
+        if not self._reserved and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    def _take_unreported(self) -> list[Job]:
+        jobs = [job for job in self._unreported if not job.reported]
+        self._unreported.clear()
+        for job in jobs:
+            job.reported = True
+        return jobs
+
+    def _raise_unreported(self) -> None:
+        jobs = self._take_unreported()
+        if not jobs:
+            return
+        first = jobs[0].error
+        assert first is not None
+        if len(jobs) > 1:
+            others = ", ".join(str(job.step) for job in jobs[1:])
+            raise PersistError(f"{first} (also failed: step{'s' * (len(jobs) > 2)} {others})") from first
+        raise first
+
+    # -- the persisting task -------------------------------------------------------------
+
+    async def _persist(self, job: Job) -> None:
+        persister = self._persister
+        assert persister is not None
+        try:
+            try:
+                if job.threaded:
+                    await self._finish_threaded(job, persister)
+                else:
+                    await self._write_and_commit(job, persister)
+            except Exception as exc:  # reported to the caller, never into the task group
+                if job.committed:  # a commit stands once its marker is durable
+                    log.warning(
+                        "step %d is committed, but what followed the commit failed: %s", job.step, exc
+                    )
+                else:
+                    self._fail(job, exc)
+            except BaseException as exc:
+                drop_frames(exc)
+                if not job.committed:
+                    job.error = PersistError(
+                        f"checkpoint step {job.step} was abandoned (cancelled); not committed"
+                    )
+                    job.reported = True
+                raise
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await persister.release_staged(job)
+                    if job.written and not job.committed:
+                        await persister.discard(job)
+                job.before = None
+                assert self._slots is not None
+                # Retention runs after the slot is free, so that the next save() need not
+                # wait for old steps' deletion; but at most one runs so: a save finishing
+                # while one still runs retires before it frees its slot.  Committed steps
+                # beyond ``keep`` are then at most ``max_in_flight + 1``, crash or not.
+                retired = job.committed and self._retiring is not None and self._retiring.locked()
+                try:
+                    if retired:
+                        await self._retire(job.step)
+                finally:
+                    self._slots.release()
+                    del self._jobs[job.step]
+            if job.committed and not retired:
+                await self._retire(job.step)
+        finally:
+            job.done.set()
+            self._unreserve(job.step)
+
+    async def _finish_threaded(self, job: Job, persister: Persister) -> None:
+        """Wait for ``job``'s worker thread (abandoning it if cancelled), then keep the books."""
+        try:
+            await job.finished.wait()
+        except BaseException:
+            persister.abandon(job)
+            with anyio.CancelScope(shield=True):
+                if not job.finished.is_set():
+                    # An exchange in flight cannot be cancelled: it is broken, as an async
+                    # one is when cancelled, so that the thread (and the peers) stop at once.
+                    await anyio.to_thread.run_sync(persister.interrupt_replication)
+                await job.finished.wait()  # the thread stops at its next step
+            raise
+        if job.chain_error is not None:
+            error, job.chain_error = job.chain_error, None
+            raise error
+        assert job.marker is not None
+        self._record_commit(job, job.marker)
+
+    async def _write_and_commit(self, job: Job, persister: Persister) -> None:
+        entry = await persister.write_and_replicate(job)
+        await persister.release_staged(job)
+        self._record_commit(job, await persister.commit(job, entry))
+
+    def _record_commit(self, job: Job, marker: Marker) -> None:
+        """Keep the books of a save whose marker is durable: index, stats, log, event."""
+        assert job.durable_at is not None
+        self._committed[job.step] = marker
+        job.stats = SaveStats(
+            step=job.step,
+            nbytes=job.nbytes,
+            staging_seconds=job.staging_seconds,
+            backpressure_seconds=job.backpressure_seconds,
+            persist_seconds=job.persist_seconds,
+            replicate_seconds=job.replicate_seconds,
+            total_seconds=job.durable_at - job.started,
+            stage=job.stage_stats,
+            durable_at=job.durable_at,
+        )
+        self.last_stats = job.stats
+        log.info(
+            "committed step %d: %d bytes, caller blocked %.4fs, persisted in %.4fs (%.2f GB/s)",
+            job.step,
+            job.nbytes,
+            job.staging_seconds,
+            job.persist_seconds,
+            job.stats.gbps,
+        )
+        self._emit("committed", job)
+
+    async def _retire(self, just_committed: int) -> None:
+        """Retention after a commit, one at a time (two saves' may be due together)."""
+        if self._retiring is None:
+            self._retiring = anyio.Lock()
+        assert self._dir_fd is not None
+        async with self._retiring:
+            await self._retention.retire(self._committed, just_committed, self._dir_fd, self._limiter)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        drop_frames(exc)
+        error = PersistError(f"checkpoint step {job.step} failed and was not committed: {exc}")
+        error.__cause__ = exc
+        job.error = error
+        self._unreported.append(job)
+        # One line, no traceback: the caller gets the error itself, traceback and all (next
+        # save, wait or handle.wait); the log only says that it happened and why.
+        log.error("checkpoint step %d failed and was not committed: %r", job.step, exc)
+        self._emit("failed", job)
+
+    def _step_dir_opener(self, step: int) -> Callable[[], int]:
+        """Opens (creating it if need be) ``step``'s directory, never through a link."""
+        assert self._dir_fd is not None
+        return step_dir_opener(self._dir_fd, _check_step(step))
+
+    def _emit(self, kind: EventKind, job: Job) -> None:
+        if self._on_progress is None:
+            return
+        event = SaveEvent(
+            kind=kind,
+            step=job.step,
+            checkpoint_id=job.checkpoint_id,
+            elapsed_seconds=time.perf_counter() - job.started,
+            stats=job.stats if kind == "committed" else None,
+            error=job.error if kind == "failed" else None,
+        )
+        try:
+            self._on_progress(event)
+        except Exception:
+            log.exception("the on_progress callback failed on %s of step %d", kind, job.step)
+
+    # -- restoring -----------------------------------------------------------------------
+
+    async def restore(
+        self, step: int | None = None, *, collective: bool | None = None, on_read: OnRead | None = None
+    ) -> Any:
+        """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU.
+
+        **Collective** (``collective=True``; the default when ``replication`` is a
+        :class:`~astage.ReplicationStager` and no ``fallback_dirs`` are given): every rank of
+        the replication group calls ``restore`` at the same time; the ranks agree on the
+        newest step that every rank can restore (or check ``step``), from its own files or
+        from the replica its ring holder keeps, and every rank gets that step back.  A rank
+        whose files are missing or corrupt receives its state from its holder over the
+        process group, checksum-verified as it lands, and commits it locally again.  See
+        :mod:`astage._checkpointer.collective_restore` and the replication guide.
+
+        **Local** (otherwise): the local file is checked against its commit marker and its
+        checksums.  If it is missing or corrupt, or the step is not committed here, the
+        newest valid replica of this rank's ``step`` is used: from the replication object's
+        ``fetch_replica`` if it has one, then from ``fallback_dirs`` (a shared file system).
+
+        :param on_read: called on the event loop as ``on_read(bytes_done, bytes_total)``
+            while the body is read or received, from ``(0, total)`` up to
+            ``(total, total)``; a copy refused and replaced by another starts again from 0.
+            An exception it raises is logged, not propagated.  Restores that take over a
+            second also log their progress at INFO on ``astage.checkpointer``.
+        :raises ResourceError: nothing is committed, or the step is neither committed
+            here nor found among the replicas.
+        :raises IntegrityError: every copy found is corrupt or does not match (each named).
+        :raises ClosedError: the Checkpointer is not open.
+        :raises PeerTimeoutError: (collective) a peer did not take part within the timeout.
+        :raises TransportError: (collective) a peer failed; the group is then broken.
+        :raises ConfigurationError: ``collective=True`` without a ReplicationStager, or
+            ``on_read`` is not callable.
+        """
+        self._check_open("restore")
+        if on_read is not None and not callable(on_read):
+            raise ConfigurationError(f"on_read must be callable or None, not {type(on_read).__name__}")
+        progress = ReadProgress(on_read)
+        if collective is None or collective:
+            from .._replication.stager import ReplicationStager
+
+            if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
+                from .collective_restore import collective_restore
+
+                return await collective_restore(
+                    self, self._replication, None if step is None else _check_step(step), progress
+                )
+            if collective:
+                raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise ResourceError(f"no committed checkpoint of rank {self._rank} in {self._directory}")
+        _check_step(step)
+        fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
+        places = ReplicaPlaces(fetch, self._fallback_dirs, self._limiter)
+        load_own = functools.partial(self._load_local, step, on_read=progress.advance)
+        marker = self._committed.get(step)
+        return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places, progress)
+
+    async def _load_local(
+        self,
+        step: int,
+        path: Path,
+        check: Callable[[FileHeader], None],
+        on_read: Callable[[int], None] | None = None,
+    ) -> Any:
+        """Load ``path``, this rank's file of ``step``, never through a link.
+
+        :raises PersistError: the step directory is a link or not a directory.
+        :raises IntegrityError: the file is not a regular file, is corrupt, or fails ``check``.
+        """
+        assert self._dir_fd is not None
+        opener = functools.partial(open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
+        step_fd = await blocking_io(opener, limiter=self._limiter)
+        try:
+            return await load_checkpoint_file(
+                path, limiter=self._limiter, check=check, dir_fd=step_fd, on_read=on_read
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await blocking_io(os.close, step_fd, limiter=self._limiter)

@@ -1,0 +1,387 @@
+"""Laying out a staged copy once per structure, not once per save.
+
+:func:`astage._format.codec.lay_out` walks the whole staged tree (about 8 us a tensor) to check it
+against the checkpoint file format and lay it out, and ``Checkpointer.save`` must do that before it
+returns, so that what the format cannot store is refused there, with its key path.  But a
+training job saves the same structure again and again, and with :class:`DefaultStager` the
+staged copy is the very same tree, refilled in place.
+
+So once a layout has been made (and the save's background task has time), the staged tree
+is planned and its plan kept in its checkable form (:class:`astage._staging.recheck.FastPlan`).  A
+later save matches its staged tree against that plan (:func:`astage._staging.recheck.iter_match`,
+about 1 us a tensor, time-sliced on the loop): container types, keys, non-tensor values,
+and every tensor's type, dtype, shape, stride, offset, flags and storage.  Where it
+matches, ``lay_out`` would return the same layout but for the metadata (step, checkpoint
+id, time) and the storage objects, so the kept layout is re-stamped instead; nothing is
+assumed unchanged without that check.  Reading the storage objects (one call a storage) is
+left to the background (:class:`PendingLayout`).  The kept layout holds no storage: it must
+not keep the staged buffers from going back to the pool.
+
+A save that :class:`~astage.DefaultStager` staged by refilling a released copy in place
+(``StageStats.refilled``) skips even that: the stager checked that very tree against its
+own plan when it was released (every tensor's metadata, and that its storages are one
+whole copy's buffers, one each), so if the kept layout was made for the same copy (by the
+serial ``StageStats.copy``), only the structure is walked, to collect the tensors.  Their
+storages' sizes are checked when the layout is completed; a mismatch (a copy changed after
+its release) sends the save back to a full lay-out, in the background.
+
+Scalars are data, not structure (as for the stager, :func:`astage._staging.recheck.iter_match`'s
+``patches``): a learning rate or step count in the tree may change from save to save.  The
+kept layout's tree JSON is cut, once, around each such scalar (:class:`_AtomText`), and a
+save whose tree differs only there gets the JSON joined again with the new scalars' text:
+no walk of the tree's 20,000 tensors for a new learning rate.
+
+Invariant: a layout comes back from :meth:`LayoutCache.lay_out` only if ``lay_out`` on the
+same staged tree would have returned it; ``UnsupportedInputError`` is raised exactly where
+``lay_out`` raises it.  The header cap is checked once, with the widest metadata any save
+can have, before a layout is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+
+from .._staging.plan import iter_plan
+from .._staging.rebuild import plain_tensor_mode
+from .._staging.recheck import FastPlan, iter_fast_plan, iter_match
+from .._util.collector import gc_paused, promote
+from .._util.limits import INT64, RANK_LIMIT
+from .._util.timeslice import Steps, drive, run_steps, slice_over, within
+from .codec import HEADER_CAP, FileLayout, iter_lay_out
+from .parse_bound import _text_tokens, _Tokens
+from .tree import iter_cut, leaf_text
+
+log = logging.getLogger("astage.layout_cache")
+
+_CHUNK: Final = 256
+"""Storages read between two looks at the clock."""
+
+_WIDEST_TIME: Final = -2.2250738585072014e-308
+"""A float with the longest JSON form (24 characters): no ``created`` makes a longer header."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Kept:
+    """A layout with what proves that a later staged tree has the same one."""
+
+    fast: FastPlan
+    layout: FileLayout
+    """Laid out for the staged tree ``fast`` was planned from; its ``storages`` dropped."""
+    firsts: tuple[int, ...]
+    """For each storage of the layout, the plan position of the first tensor viewing it."""
+    copy: int | None
+    """The stager's serial of the staged copy ``fast`` was planned from, if known."""
+    atoms: _AtomText | None = None
+    """The layout's tree JSON cut around the plan's atom slots (``None``: a changed scalar
+    is laid out in full)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AtomText:
+    """A kept layout's tree JSON cut around the plan's atom slots.
+
+    (:class:`astage._staging.recheck.AtomSlots`.)
+
+    ``"".join(parts)`` is the tree JSON, and ``parts[at[slot]]`` each slot's text.  Token
+    costs add up over the parts: each counted token is one byte, and no ``\\u`` escape
+    straddles two parts (a part ends before a value and a value's text ends on a quote, a
+    digit, a bracket or a letter).
+    """
+
+    parts: tuple[str, ...]
+    at: tuple[int, ...]
+    tokens: tuple[_Tokens, ...]
+    """Each slot's text's tokens."""
+    cost: int
+    """The token cost of the whole tree JSON."""
+    pieces_escape: bool
+    """Whether a part that is not a slot's text holds an escape."""
+    escaped: frozenset[int]
+    """The slots whose text holds an escape."""
+
+    def with_values(self, patches: Sequence[tuple[int, Any]]) -> tuple[str, _Tokens] | None:
+        """The tree JSON with ``patches`` (slot, value) in, and its tokens; ``None`` if a value
+        cannot be stored (a full lay-out then refuses it, with its key path)."""
+        parts = list(self.parts)
+        cost, escape = self.cost, self.pieces_escape
+        for slot, value in patches:
+            try:
+                text = leaf_text(value)
+            except (TypeError, ValueError):
+                return None
+            tokens = _text_tokens(text.encode("ascii"))
+            parts[self.at[slot]] = text
+            cost += tokens.cost - self.tokens[slot].cost
+            escape = escape or tokens.escapes
+        if not escape and self.escaped:
+            escape = not self.escaped.issubset(slot for slot, _ in patches)
+        return "".join(parts), _Tokens(cost, escape)
+
+
+def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
+    """``layout``'s tree JSON cut around ``fast``'s atom slots, or ``None`` where the plan has
+    none or the cut does not give the laid-out JSON back exactly."""
+    atoms = fast.atoms
+    if not atoms.nodes:
+        return None
+    cut = yield from iter_cut(fast.plan, atoms.nodes, layout.tree_json)
+    if cut is None:
+        return None
+    pieces, order, texts = cut
+    parts: list[str] = [pieces[0]]
+    at = [0] * len(order)
+    tokens: list[_Tokens] = [_Tokens(0, False)] * len(order)
+    escaped: set[int] = set()
+    cost = 0
+    for slot, text, piece in zip(order, texts, pieces[1:], strict=True):
+        at[slot] = len(parts)
+        parts += (text, piece)
+        tokens[slot] = slot_tokens = _text_tokens(text.encode("ascii"))
+        cost += slot_tokens.cost
+        if slot_tokens.escapes:
+            escaped.add(slot)
+        if slice_over():
+            yield
+    # The pieces' tokens a block at a time: a token count is a sum of byte counts, and no
+    # escape straddles two pieces (they are cut at values, outside strings).
+    pieces_escape = False
+    for start in range(0, len(pieces), 512):
+        block = _text_tokens("".join(pieces[start : start + 512]).encode("ascii"))
+        cost += block.cost
+        pieces_escape = pieces_escape or block.escapes
+        if slice_over():
+            yield
+    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, pieces_escape, frozenset(escaped))
+
+
+@dataclasses.dataclass(eq=False)
+class PendingLayout:
+    """A kept layout that a staged tree matched, all but its storages.
+
+    The match has checked every tensor's storage (``_cdata`` and size), so the storages
+    are known; only reading them (a Python call a storage) is left, for the background.
+    It holds the staged tensors: drop it with the staged copy.
+    """
+
+    layout: FileLayout
+    sources: list[torch.Tensor]
+    firsts: tuple[int, ...]
+
+    async def complete(self) -> FileLayout | None:
+        """The layout with the staged tree's storages (time-sliced on the loop), or ``None``
+        if a storage is not the size laid out (lay the tree out in full then)."""
+        try:
+            storages = await run_steps(_storages(self.sources, self.firsts, self.layout.nbytes))
+        finally:
+            self.sources = []
+        if storages is None:
+            log.warning("a staged copy changed after its release; laying it out in full")
+            return None
+        return dataclasses.replace(self.layout, storages=storages)
+
+
+def _storages(
+    sources: list[torch.Tensor], firsts: tuple[int, ...], nbytes: tuple[int, ...]
+) -> Steps[tuple[torch.UntypedStorage, ...] | None]:
+    storages: list[torch.UntypedStorage] = []
+    try:
+        for start in range(0, len(firsts), _CHUNK):
+            chunk = [sources[i].untyped_storage() for i in firsts[start : start + _CHUNK]]
+            if [s.nbytes() for s in chunk] != list(nbytes[start : start + _CHUNK]):
+                return None
+            storages += chunk
+            if slice_over():  # a chunk takes far less than a slice
+                yield
+    except Exception:  # not a tensor where one was laid out: only a walk_only match lets one by
+        return None
+    return tuple(storages)
+
+
+class LayoutCache:
+    """Lays out one rank's staged copies, re-using the layout of the same structure.
+
+    :param rank: the owner rank written into every layout.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._kept: _Kept | None = None
+
+    async def lay_out(
+        self,
+        staged: Any,
+        *,
+        step: int,
+        checkpoint_id: str,
+        refilled: int | None = None,
+    ) -> FileLayout | PendingLayout:
+        """Lay out ``staged`` as :func:`astage._format.codec.lay_out` would.
+
+        :param refilled: the serial of the copy ``staged`` is, if the stager refilled that
+            released copy in place (``StageStats.copy`` where ``StageStats.refilled``).
+        :returns: a new layout (worth :meth:`keep`-ing), or the kept one for this save,
+            pending its storages.
+        :raises UnsupportedInputError: as ``lay_out``.
+        :raises ConfigurationError: as ``lay_out``.
+        """
+        kept = self._kept
+        if kept is not None:
+            walk_only = refilled is not None and refilled == kept.copy
+            restamped = await run_steps(
+                within(plain_tensor_mode, _restamp(kept, staged, step, checkpoint_id, walk_only))
+            )
+            if restamped is not None:
+                return restamped
+        return await self.lay_out_in_full(staged, step=step, checkpoint_id=checkpoint_id)
+
+    async def lay_out_in_full(self, staged: Any, *, step: int, checkpoint_id: str) -> FileLayout:
+        """:func:`astage._format.codec.lay_out` with no kept layout, in time slices on the loop.
+
+        Not in a worker thread: it is Python, which a worker runs no faster (the GIL), while
+        the loop then waits for the GIL up to the switch interval (5 ms) at a time: the
+        first save's heartbeat lagged 5-7 ms through its ~120 ms layout of 20,000 tensors.
+        """
+        steps = iter_lay_out(staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id)
+        with gc_paused():  # what it makes lives until it returns (see iter_lay_out)
+            return await run_steps(within(plain_tensor_mode, steps))
+
+    async def finish(
+        self,
+        staged: Any,
+        layout: FileLayout | PendingLayout,
+        *,
+        copy: int | None,
+    ) -> FileLayout:
+        """The complete layout of what :meth:`lay_out` returned for ``staged``.
+
+        A pending one gets its storages (or, if the copy changed after its release, a full
+        lay-out); one made in full is kept, with the serial ``copy`` of the staged copy, for
+        the saves to come.
+        """
+        if isinstance(layout, PendingLayout):
+            completed = await layout.complete()
+            if completed is not None:
+                return completed
+            layout = await self.lay_out_in_full(
+                staged, step=layout.layout.step, checkpoint_id=layout.layout.checkpoint_id
+            )
+        await self.keep(staged, layout, copy)
+        return layout
+
+    async def keep(self, staged: Any, layout: FileLayout, copy: int | None = None) -> None:
+        """Keep ``layout`` (made by ``lay_out`` for ``staged``) for later trees of its structure.
+
+        :param copy: the stager's serial of the copy ``staged`` is (``StageStats.copy``).
+
+        Meant for the background: it plans ``staged`` (about as long as ``lay_out``).  A tree
+        whose plan cannot be re-checked (tensors with attributes, custom
+        containers) is not kept; those saves are laid out in full every time.
+        """
+        try:
+            if not _fits_every_save(layout):
+                return
+            with gc_paused():  # the plan lives as long as the layout (astage._util.collector)
+                promote(layout.num_tensors)
+                kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
+        except Exception as exc:  # only a lost speed-up: the next save is laid out in full
+            log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
+            return
+        if kept is not None:
+            self._kept = kept
+
+    def finish_blocking(
+        self,
+        staged: Any,
+        layout: FileLayout | PendingLayout,
+        *,
+        copy: int | None,
+        between: Callable[[], object] | None = None,
+    ) -> FileLayout:
+        """:meth:`finish` on the calling thread, a worker's: the same steps driven straight
+        through (``between`` runs between two slices), so that a save's background half
+        needs no turn of the event loop (see :mod:`astage._checkpointer.save_pipeline`)."""
+        if isinstance(layout, PendingLayout):
+            try:
+                storages = drive(_storages(layout.sources, layout.firsts, layout.layout.nbytes), between)
+            finally:
+                layout.sources = []
+            if storages is not None:
+                return dataclasses.replace(layout.layout, storages=storages)
+            log.warning("a staged copy changed after its release; laying it out in full")
+            made = layout.layout
+            steps = iter_lay_out(
+                staged, owner_rank=self._rank, step=made.step, checkpoint_id=made.checkpoint_id
+            )
+            with gc_paused():
+                layout = drive(within(plain_tensor_mode, steps), between)
+        try:
+            if _fits_every_save(layout):
+                with gc_paused():
+                    promote(layout.num_tensors)
+                    kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy)), between)
+                if kept is not None:
+                    self._kept = kept
+        except Exception as exc:  # only a lost speed-up: the next save is laid out in full
+            log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
+        return layout
+
+
+def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept | None]:
+    """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
+    source = yield from iter_plan(staged)
+    # Each walk of 20,000 items below looks at the clock: in one go each held the loop 2-3 ms.
+    if len(source.plan.tensors) != layout.num_tensors or len(source.storages) != len(layout.storages):
+        return None
+    for i, (ours, theirs) in enumerate(zip(source.storages, layout.storages, strict=True)):
+        if ours._cdata != theirs._cdata:
+            return None  # e.g. numpy arrays, which only the format's planner stores as tensors
+        if not i & 1023 and slice_over():
+            yield
+    fast = yield from iter_fast_plan(source)
+    if fast is None:
+        return None
+    firsts: dict[int, int] = {}
+    for position, spec in enumerate(fast.plan.tensors):
+        firsts.setdefault(spec.storage, position)
+        if not position & 1023 and slice_over():
+            yield
+    atoms = yield from _iter_cut(fast, layout)
+    layout = dataclasses.replace(layout, storages=())
+    return _Kept(fast, layout, tuple(map(firsts.__getitem__, range(len(firsts)))), copy, atoms)
+
+
+def _restamp(
+    kept: _Kept, staged: Any, step: int, checkpoint_id: str, walk_only: bool
+) -> Steps[PendingLayout | None]:
+    """The kept layout for ``staged`` and this save, or ``None`` if ``staged`` does not match."""
+    patches: list[tuple[int, Any]] | None = None if kept.atoms is None else []
+    sources = yield from iter_match(kept.fast, staged, walk_only=walk_only, patches=patches)
+    if sources is None:
+        return None
+    layout = dataclasses.replace(
+        kept.layout, step=step, checkpoint_id=checkpoint_id, created=float(time.time())
+    )
+    if patches:
+        assert kept.atoms is not None
+        made = kept.atoms.with_values(patches)
+        if made is None:
+            return None
+        layout = dataclasses.replace(layout, tree_json=made[0], tree_tokens=made[1])
+        if not _fits_every_save(layout):
+            return None  # laid out in full, which refuses it
+    return PendingLayout(layout, sources, kept.firsts)
+
+
+def _fits_every_save(layout: FileLayout) -> bool:
+    """Whether ``layout``'s header fits under the cap with the widest metadata any later save
+    can give it (ranks, step, time), so that re-stamping it can never break the cap."""
+    widest = dataclasses.replace(
+        layout, owner_rank=RANK_LIMIT - 1, holder_rank=RANK_LIMIT - 1, step=INT64 - 1, created=_WIDEST_TIME
+    )
+    return widest.header_nbytes() <= HEADER_CAP
