@@ -8,17 +8,11 @@ only what a user needs (the reasons, name by name: "What is public and why" in d
 import logging as _logging
 
 from ._checkpointer.checkpointer import Checkpointer as Checkpointer
-from ._checkpointer.checkpointer import ReplicaSource as ReplicaSource
-from ._checkpointer.checkpointer import Replicator as Replicator
-from ._checkpointer.checkpointer import SaveEvent as SaveEvent
 from ._checkpointer.checkpointer import SaveHandle as SaveHandle
-from ._checkpointer.checkpointer import SaveStats as SaveStats
-from ._files.durable import CheckpointFileInfo as CheckpointFileInfo
-from ._files.durable import find_replicas as find_replicas
-from ._files.durable import inspect_checkpoint_file as inspect_checkpoint_file
-from ._files.durable import load_checkpoint_file as load_checkpoint_file
-from ._files.durable import load_checkpoint_file_sync as load_checkpoint_file_sync
-from ._files.durable import sweep_stale_temps as sweep_stale_temps
+from ._checkpointer.interfaces import ReplicaSource as ReplicaSource
+from ._checkpointer.interfaces import Replicator as Replicator
+from ._checkpointer.interfaces import SaveEvent as SaveEvent
+from ._checkpointer.interfaces import SaveStats as SaveStats
 from ._replication.stager import ReplicationPhase as ReplicationPhase
 from ._replication.stager import ReplicationResult as ReplicationResult
 from ._replication.stager import ReplicationStager as ReplicationStager
@@ -55,13 +49,20 @@ _logging.getLogger("astage").addHandler(_logging.NullHandler())
 # running; they are left out of ``__all__`` and ``dir()``, and the API docs say why.
 _RETIRED: dict[str, str] = {"BufferPool": "astage._staging.pool", "BufferKind": "astage._staging.pool"}
 
+# The checkpoint-file readers live in :mod:`astage.files` (a program that only reads files
+# needs nothing else); their first-release top-level names still resolve, the same way.
+_FILE_READERS = "CheckpointFileInfo find_replicas inspect_checkpoint_file load_checkpoint_file"
+_RETIRED |= dict.fromkeys(
+    f"{_FILE_READERS} load_checkpoint_file_sync sweep_stale_temps".split(), "astage.files"
+)
+
 
 def __getattr__(name: str) -> object:
     import importlib
 
     # ``astage.dcp`` loads torch.distributed.checkpoint (~0.2 s): only when first used.
-    if name == "dcp":
-        return importlib.import_module(".dcp", __name__)
+    if name in ("dcp", "files"):
+        return importlib.import_module(f".{name}", __name__)
     if name in _RETIRED:
         return getattr(importlib.import_module(_RETIRED[name]), name)
     raise AttributeError(f"module 'astage' has no attribute {name!r}")
@@ -72,7 +73,6 @@ __all__ = [
     "AsyncStager",
     "BlockingStager",
     "CapacityError",
-    "CheckpointFileInfo",
     "Checkpointer",
     "ClosedError",
     "ConfigurationError",
@@ -98,10 +98,5 @@ __all__ = [
     "TransportError",
     "UnsupportedInputError",
     "__version__",
-    "find_replicas",
-    "inspect_checkpoint_file",
-    "load_checkpoint_file",
-    "load_checkpoint_file_sync",
-    "sweep_stale_temps",
     "wait_event",
 ]

@@ -45,6 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 import astage
+import astage.files
 
 from ._demo import run_demo
 from ._files.directory import layout_role, step_of_dir
@@ -180,7 +181,7 @@ def _leaf_rows(header: FileHeader) -> list[dict[str, Any]]:
     return rows
 
 
-def _replica_summary(info: astage.CheckpointFileInfo) -> dict[str, Any]:
+def _replica_summary(info: astage.files.CheckpointFileInfo) -> dict[str, Any]:
     header = info.header
     return {
         "owner_rank": info.owner_rank,
@@ -197,7 +198,7 @@ def _replica_summary(info: astage.CheckpointFileInfo) -> dict[str, Any]:
 
 def _verify_file(path: Path, body_nbytes: int) -> None:
     with _progress(f"verifying {shown(path.name)}", body_nbytes, nbytes=True) as advance:
-        astage.load_checkpoint_file_sync(path, on_read=advance)
+        astage.files.load_checkpoint_file_sync(path, on_read=advance)
 
 
 def _file_kind(path: Path) -> tuple[str, int | None, int | None]:
@@ -226,7 +227,7 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     kind, step, rank = _file_kind(path)
     if kind == "marker":
         return _inspect_marker(path, step, rank, verify, as_json)
-    info = astage.inspect_checkpoint_file(path)
+    info = astage.files.inspect_checkpoint_file(path)
     if kind == "replica" and info.holder_rank is None:
         kind = "checkpoint"  # a rank's own file (no holder), outside a Checkpointer's layout
     doc: dict[str, Any] = {"path": str(path), "kind": kind, **_replica_summary(info)}
@@ -243,7 +244,7 @@ def _inspect(path: Path, verify: bool, as_json: bool) -> int:
     return 0
 
 
-def _print_file(path: Path, info: astage.CheckpointFileInfo, doc: dict[str, Any]) -> None:
+def _print_file(path: Path, info: astage.files.CheckpointFileInfo, doc: dict[str, Any]) -> None:
     """``astage inspect`` of a checkpoint file or a replica, as text."""
     if "committed" in doc:
         state = "committed" if doc["committed"] else "not committed (no valid commit marker names it)"
@@ -538,9 +539,9 @@ def _checkpoint_dir_doc(directory: Path, steps: list[_Step]) -> dict[str, Any]:
 def _replica_entry(path: Path, verify: bool, advance: Callable[[int], None]) -> dict[str, Any]:
     try:
         with _accounted(advance, path.stat().st_size if verify else 0) as read:
-            info = astage.inspect_checkpoint_file(path)
+            info = astage.files.inspect_checkpoint_file(path)
             if verify:
-                astage.load_checkpoint_file_sync(path, on_read=read)
+                astage.files.load_checkpoint_file_sync(path, on_read=read)
     except (astage.IntegrityError, OSError) as exc:
         return {"path": str(path), "name": path.name, "problem": str(exc)}
     return {

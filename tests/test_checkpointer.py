@@ -1035,7 +1035,7 @@ async def test_a_failing_progress_callback_is_logged_and_ignored(
 def test_the_public_names_are_exported() -> None:
     for name in ("Checkpointer", "SaveStats", "SaveEvent", "SaveHandle", "Replicator", "ReplicaSource"):
         assert name in astage.__all__
-        assert getattr(astage, name).__module__ == "astage._checkpointer.checkpointer"
+        assert getattr(astage, name).__module__.startswith("astage._checkpointer.")
 
 
 @pytest.mark.anyio

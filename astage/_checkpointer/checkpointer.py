@@ -38,7 +38,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -46,19 +45,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
 
-from .._files.directory import open_and_lock, open_step_dir, rank_file_names, step_dir_name, step_dir_opener
-from .._files.durable import blocking_io, load_checkpoint_file
 from .._files.markers import Marker
-from .._files.retention import Retention, scan
-from .._format.codec import FileHeader
+from .._files.retention import Retention
+from .._files.steps import StepStore
+from .._replication.stager import ReplicationStager
 from .._staging.stager import AsyncStager, DefaultStager, StageStats
 from .._util.errors import (
-    AstageError,
     ClosedError,
     ConfigurationError,
     PersistError,
@@ -69,100 +66,12 @@ from .._util.limits import INT64 as _INT64
 from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .._util.resource import AsyncResource
 from .._util.validate import check_path
+from .collective_restore import collective_restore
+from .interfaces import EventKind, ReplicaSource, Replicator, SaveEvent, SaveStats
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
-from .save_pipeline import EventKind, Job, Persister
+from .save_pipeline import Job, Persister
 
 log = logging.getLogger("astage.checkpointer")
-
-# -- protocols ----------------------------------------------------------------------------
-
-
-@runtime_checkable
-class Replicator(Protocol):
-    """What the Checkpointer needs from a replication object (``astage.ReplicationStager``).
-
-    ``replicate_staged`` is called once per staged save, in save order, while the local
-    file is written; it must not change the staged copy.  An exception fails the save.
-
-    One optional capability, declared rather than guessed from the method's signature: a
-    class whose ``replicate_staged`` also takes an ``encoded`` keyword argument says so with
-    the class attribute ``accepts_encoded = True``, in the same class body that defines
-    ``replicate_staged``.  The Checkpointer then passes ``encoded=``, the save's
-    :class:`astage._format.codec.Encoded` replica (owner this rank, no holder), encoded and
-    checksummed once for the local file and the replica alike.  Without the declaration (or
-    in a subclass that overrides ``replicate_staged`` without repeating it) the method is
-    called with ``staged``, ``step`` and ``checkpoint_id`` only.
-    :class:`astage.ReplicationStager` declares it.
-    """
-
-    async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> object:
-        """Send or store a replica of an already staged state_dict."""
-        ...
-
-
-@runtime_checkable
-class ReplicaSource(Protocol):
-    """A replication object that can also find this rank's replica of a step (optional)."""
-
-    async def fetch_replica(self, step: int) -> Path | None:
-        """A local path holding this rank's replica of ``step``, or ``None``."""
-        ...
-
-
-# -- stats and events ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveStats:
-    """What one committed save cost.
-
-    :ivar step: the step saved.
-    :ivar nbytes: bytes of this rank's checkpoint file.
-    :ivar staging_seconds: how long ``save()`` kept the caller (back-pressure included).
-    :ivar backpressure_seconds: part of ``staging_seconds`` spent waiting for an earlier
-        save to finish (``max_in_flight``).
-    :ivar persist_seconds: encoding plus the durable write of the local file.
-    :ivar replicate_seconds: the replication call, ``None`` without replication.
-    :ivar total_seconds: from the ``save()`` call to the commit (the marker durable).
-    :ivar stage: the stager's own stats, where it records them (``last_stats``).
-    :ivar durable_at: when the marker became durable, on the ``time.perf_counter()``
-        clock: recorded by the thread that wrote it, at that moment, however busy the
-        event loop was then (``save() -> durable`` is this minus the time of the call).
-    """
-
-    step: int
-    nbytes: int
-    staging_seconds: float
-    backpressure_seconds: float
-    persist_seconds: float
-    replicate_seconds: float | None
-    total_seconds: float
-    stage: StageStats | None = None
-    durable_at: float | None = None
-
-    @property
-    def gbps(self) -> float:
-        """Persist throughput in GB/s (10^9 bytes per second)."""
-        return self.nbytes / self.persist_seconds / 1e9 if self.persist_seconds > 0 else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveEvent:
-    """One progress report, passed to ``on_progress``.
-
-    :ivar kind: ``staged``, ``persisted``, ``replicated``, ``committed`` or ``failed``.
-    :ivar elapsed_seconds: since the ``save()`` call.
-    :ivar stats: the save's stats, on ``committed``.
-    :ivar error: why the save failed, on ``failed``.
-    """
-
-    kind: EventKind
-    step: int
-    checkpoint_id: str
-    elapsed_seconds: float
-    stats: SaveStats | None = None
-    error: AstageError | None = None
-
 
 # -- the Checkpointer -----------------------------------------------------------------------
 
@@ -323,19 +232,15 @@ class Checkpointer(AsyncResource):
         fallbacks = _check_arguments(
             stager, replication, keep, max_in_flight, rank, on_progress, fallback_dirs, threads
         )
-        self._directory = check_path("directory", directory)
-        self._data_name, self._marker_name = rank_file_names(rank)
+        self._store = StepStore(check_path("directory", directory), rank, threads)
         self._owns_stager = stager is None
         self._stager: AsyncStager = DefaultStager() if stager is None else stager
         self._replication = replication
-        self._retention = Retention(keep, self._marker_name)
+        self._retention = Retention(keep, self._store.marker_name)
         self._max_in_flight = max_in_flight
-        self._rank = rank
         self._on_progress = on_progress
         self._fallback_dirs = fallbacks
-        self._threads = threads
         self._state: Literal["new", "open", "closing", "closed"] = "new"
-        self._committed: dict[int, Marker] = {}
         self._reserved: set[int] = set()  # steps between the start of save() and their end
         self._jobs: dict[int, Job] = {}
         self._unreported: list[Job] = []
@@ -343,12 +248,9 @@ class Checkpointer(AsyncResource):
         self._last_job: Job | None = None
         self._retiring: anyio.Lock | None = None
         self._idle: anyio.Event | None = None
-        self._lock_fd: int | None = None
-        self._dir_fd: int | None = None  # the checkpoint directory: step directories are opened from it
         self._task_group: anyio.abc.TaskGroup | None = None
         self._slots: anyio.Semaphore | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
-        self._persister: Persister | None = None  # made on entering: it writes relative to _dir_fd
+        self._persister: Persister | None = None  # made on entering, over the opened store
         self.last_stats: SaveStats | None = None
         """The stats of the latest committed save."""
 
@@ -364,36 +266,19 @@ class Checkpointer(AsyncResource):
         """
         if self._state != "new":
             raise ClosedError("a Checkpointer can be entered only once")
-        self._limiter = anyio.CapacityLimiter(self._threads)
-        self._dir_fd, self._lock_fd = await blocking_io(
-            open_and_lock, self._directory, self._rank, limiter=self._limiter
-        )
+        await self._store.open()
         try:
-            self._committed = await blocking_io(
-                scan, self._directory, self._dir_fd, self._rank, limiter=self._limiter
-            )
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
-        except BaseException as exc:
+        except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._release_lock()
-            if isinstance(exc, OSError) and not isinstance(exc, AstageError):
-                raise PersistError(f"cannot scan the checkpoint directory {self._directory}: {exc}") from exc
             raise
         self._task_group = task_group
         self._slots = anyio.Semaphore(self._max_in_flight)
-        assert self._dir_fd is not None
-        self._persister = Persister(
-            self._directory,
-            self._dir_fd,
-            self._rank,
-            self._stager,
-            self._replication,
-            self._limiter,
-            self._emit,
-        )
+        self._persister = Persister(self._store, self._stager, self._replication, self._emit)
         self._state = "open"
-        log.debug("opened %s for rank %d: committed steps %s", self._directory, self._rank, self.steps())
+        log.debug("opened %s for rank %d: committed steps %s", self.directory, self.rank, self.steps())
 
     async def _exit(self, exc: BaseException | None) -> None:
         task_group = self._task_group
@@ -448,16 +333,12 @@ class Checkpointer(AsyncResource):
         """Close the lock, and the directory unless an abandoned save's cleanup (or its
         retention) still runs relative to it: ``__aexit__`` closes it once the task group is
         done."""
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            await blocking_io(os.close, fd, limiter=self._limiter)
+        await self._store.release_lock()
         if not self._jobs and not self._reserved:
             await self._close_dir()
 
     async def _close_dir(self) -> None:
-        fd, self._dir_fd = self._dir_fd, None
-        if fd is not None:
-            await blocking_io(os.close, fd, limiter=self._limiter)
+        await self._store.close_dir()
 
     @property
     def closed(self) -> bool:
@@ -476,20 +357,20 @@ class Checkpointer(AsyncResource):
     @property
     def directory(self) -> Path:
         """The checkpoint directory."""
-        return self._directory
+        return self._store.directory
 
     @property
     def rank(self) -> int:
         """The rank whose files this Checkpointer writes and restores."""
-        return self._rank
+        return self._store.rank
 
     def steps(self) -> list[int]:
         """This rank's committed steps, oldest first (known since entering; no I/O)."""
-        return sorted(self._committed)
+        return self._store.steps()
 
     def latest(self) -> int | None:
         """The newest committed step, or ``None``."""
-        return max(self._committed, default=None)
+        return self._store.latest()
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -498,7 +379,7 @@ class Checkpointer(AsyncResource):
 
     def step_dir(self, step: int) -> Path:
         """The directory of ``step``'s files."""
-        return self._directory / step_dir_name(_check_step(step))
+        return self._store.step_dir(_check_step(step))
 
     # -- saving --------------------------------------------------------------------------
 
@@ -523,9 +404,9 @@ class Checkpointer(AsyncResource):
         task_group = self._check_open("save")
         self._raise_unreported()
         _check_step(step)
-        if step in self._reserved or step in self._committed:
+        if step in self._reserved or self._store.marker(step) is not None:
             state = "being saved" if step in self._reserved else "committed"
-            raise ConfigurationError(f"step {step} is already {state} in {self._directory}")
+            raise ConfigurationError(f"step {step} is already {state} in {self.directory}")
         assert self._slots is not None
         started = time.perf_counter()
         self._reserved.add(step)
@@ -724,7 +605,7 @@ class Checkpointer(AsyncResource):
     def _record_commit(self, job: Job, marker: Marker) -> None:
         """Keep the books of a save whose marker is durable: index, stats, log, event."""
         assert job.durable_at is not None
-        self._committed[job.step] = marker
+        self._store.record(job.step, marker)
         job.stats = SaveStats(
             step=job.step,
             nbytes=job.nbytes,
@@ -751,9 +632,8 @@ class Checkpointer(AsyncResource):
         """Retention after a commit, one at a time (two saves' may be due together)."""
         if self._retiring is None:
             self._retiring = anyio.Lock()
-        assert self._dir_fd is not None
         async with self._retiring:
-            await self._retention.retire(self._committed, just_committed, self._dir_fd, self._limiter)
+            await self._store.retire(self._retention, just_committed)
 
     def _fail(self, job: Job, exc: Exception) -> None:
         drop_frames(exc)
@@ -765,11 +645,6 @@ class Checkpointer(AsyncResource):
         # save, wait or handle.wait); the log only says that it happened and why.
         log.error("checkpoint step %d failed and was not committed: %r", job.step, exc)
         self._emit("failed", job)
-
-    def _step_dir_opener(self, step: int) -> Callable[[], int]:
-        """Opens (creating it if need be) ``step``'s directory, never through a link."""
-        assert self._dir_fd is not None
-        return step_dir_opener(self._dir_fd, _check_step(step))
 
     def _emit(self, kind: EventKind, job: Job) -> None:
         if self._on_progress is None:
@@ -827,46 +702,20 @@ class Checkpointer(AsyncResource):
             raise ConfigurationError(f"on_read must be callable or None, not {type(on_read).__name__}")
         progress = ReadProgress(on_read)
         if collective is None or collective:
-            from .._replication.stager import ReplicationStager
-
             if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
-                from .collective_restore import collective_restore
-
+                requested = None if step is None else _check_step(step)
                 return await collective_restore(
-                    self, self._replication, None if step is None else _check_step(step), progress
+                    self._store, self._replication, requested, progress, self._drain
                 )
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
         if step is None:
             step = self.latest()
             if step is None:
-                raise ResourceError(f"no committed checkpoint of rank {self._rank} in {self._directory}")
+                raise ResourceError(f"no committed checkpoint of rank {self.rank} in {self.directory}")
         _check_step(step)
         fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
-        places = ReplicaPlaces(fetch, self._fallback_dirs, self._limiter)
-        load_own = functools.partial(self._load_local, step, on_read=progress.advance)
-        marker = self._committed.get(step)
-        return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places, progress)
-
-    async def _load_local(
-        self,
-        step: int,
-        path: Path,
-        check: Callable[[FileHeader], None],
-        on_read: Callable[[int], None] | None = None,
-    ) -> Any:
-        """Load ``path``, this rank's file of ``step``, never through a link.
-
-        :raises PersistError: the step directory is a link or not a directory.
-        :raises IntegrityError: the file is not a regular file, is corrupt, or fails ``check``.
-        """
-        assert self._dir_fd is not None
-        opener = functools.partial(open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
-        step_fd = await blocking_io(opener, limiter=self._limiter)
-        try:
-            return await load_checkpoint_file(
-                path, limiter=self._limiter, check=check, dir_fd=step_fd, on_read=on_read
-            )
-        finally:
-            with anyio.CancelScope(shield=True):
-                await blocking_io(os.close, step_fd, limiter=self._limiter)
+        places = ReplicaPlaces(fetch, self._fallback_dirs, self._store.limiter)
+        load_own = functools.partial(self._store.load, step, on_read=progress.advance)
+        marker = self._store.marker(step)
+        return await restore_local(step, marker, self.step_dir(step), self.rank, load_own, places, progress)

@@ -39,24 +39,26 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import anyio
 import torch
 
 from .. import _transport
+from .._files.directory import open_step_dir
 from .._files.durable import (
+    CheckpointFile,
     DirOpener,
-    _CheckpointFile,
     blocking_io,
     inspect_checkpoint_file,
-    write_checkpoint_file,
 )
+from .._files.markers import FileEntry, Marker, header_check, storages_crc32c
+from .._files.steps import StepStore
 from .._format.codec import BodyVerifier, FileHeader, parse_prefix
-from .._replication.sink import _StreamingSink
-from .._replication.stager import ReplicationStager, _remaining
+from .._replication.sink import StreamingSink
+from .._replication.stager import GroupSession, ReplicationStager, time_left
 from .._staging.pool import BufferPool
 from .._staging.rebuild import rebuild
 from .._util.errors import (
@@ -65,13 +67,9 @@ from .._util.errors import (
     PersistError,
     ResourceError,
     TransportError,
-    describe,
     one_error,
 )
 from .local_restore import ReadProgress
-
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
 
 log = logging.getLogger("astage.restore")
 
@@ -215,7 +213,7 @@ def _unpack(data: bytes, kind: int, round_: int, source: int) -> list[int]:
 
 
 async def all_gather(
-    rs: ReplicationStager, values: Sequence[int], *, kind: int, round_: int, deadline: float
+    rs: GroupSession, values: Sequence[int], *, kind: int, round_: int, deadline: float
 ) -> list[list[int]]:
     """Every rank's ``values``, in rank order, over ``rs``'s group (W - 1 exchanges)."""
     world, rank = rs.world_size, rs.rank
@@ -229,7 +227,7 @@ async def all_gather(
             _transport.Payload(blob, (), 0),
             send_to=(rank + i) % world,
             recv_from=source,
-            timeout=_remaining(deadline),
+            timeout=time_left(deadline),
             max_body_bytes=0,
             max_prefix_bytes=_RECORD_CAP,
         )
@@ -240,24 +238,20 @@ async def all_gather(
 # -- what this rank has -------------------------------------------------------------------------
 
 
-def _own_steps(ckpt: Checkpointer) -> set[int]:
+def _own_steps(store: StepStore) -> set[int]:
     """Committed steps whose local file's header matches its commit marker (blocking)."""
-    from .._files.directory import open_step_dir as _open_step_dir
-    from .._files.markers import header_check as _header_check
-
     found = set()
-    assert ckpt._dir_fd is not None
-    for step, marker in sorted(ckpt._committed.items()):
+    for step, marker in store.committed():
         entry = marker.files[0]
-        path = ckpt.step_dir(step) / entry.name
-        check = _header_check(
-            path, step=step, rank=ckpt.rank, checkpoint_id=marker.checkpoint_id, entry=entry
+        path = store.step_dir(step) / entry.name
+        check = header_check(
+            path, step=step, rank=store.rank, checkpoint_id=marker.checkpoint_id, entry=entry
         )
         try:
             # Opened from the step directory, itself opened without following a link.
-            step_fd = _open_step_dir(ckpt._dir_fd, path.parent.name, create=False)
+            step_fd = open_step_dir(store.dir_fd, path.parent.name, create=False)
             try:
-                f = _CheckpointFile(path, step_fd)
+                f = CheckpointFile(path, step_fd)
             finally:
                 os.close(step_fd)
             try:
@@ -266,13 +260,13 @@ def _own_steps(ckpt: Checkpointer) -> set[int]:
                 f.close()
             check(header)
         except (OSError, IntegrityError) as exc:
-            log.warning("rank %d: the local checkpoint of step %d is unusable: %s", ckpt.rank, step, exc)
+            log.warning("rank %d: the local checkpoint of step %d is unusable: %s", store.rank, step, exc)
             continue
         found.add(step)
     return found
 
 
-def _held_steps(rs: ReplicationStager) -> dict[int, Path]:
+def _held_steps(rs: GroupSession) -> dict[int, Path]:
     """Replicas of the owner's state this rank holds whose header checks out (blocking)."""
     found = {}
     for step, path in rs.held_replicas().items():
@@ -293,7 +287,7 @@ def _map_replica(path: Path, owner: int, step: int) -> tuple[bytes, torch.Tensor
     The body is a private, read-only-in-practice mapping of the file: its pages are read as
     the transport sends them, so reading the disk overlaps the transfer.
     """
-    f = _CheckpointFile(path)
+    f = CheckpointFile(path)
     try:
         header, st = f.header()
         if header.owner_rank != owner or header.step != step:
@@ -319,7 +313,7 @@ class _HolderHadNone(Exception):
     """The holder sent an empty payload: it could not read its replica."""
 
 
-class _HealingSink(_StreamingSink):
+class _HealingSink(StreamingSink):
     """Receives this rank's own state from its holder into its checkpoint file of ``step``.
 
     Unlike a replica exchange, nothing that comes in aborts the transfer (so the group stays
@@ -405,7 +399,11 @@ class _Attempt:
 
 
 async def collective_restore(
-    ckpt: Checkpointer, rs: ReplicationStager, step: int | None, progress: ReadProgress
+    store: StepStore,
+    rs: ReplicationStager,
+    step: int | None,
+    progress: ReadProgress,
+    drain: Callable[[], Awaitable[None]],
 ) -> Any:
     """Restore ``step`` (default: the newest every rank can) on every rank of ``rs``'s group.
 
@@ -418,32 +416,20 @@ async def collective_restore(
     :raises TransportError: a peer failed; the group is then broken.
     :raises PersistError: this rank could not write the copy it received.
     """
-    if ckpt.rank != rs.rank:
+    if store.rank != rs.rank:
         raise ConfigurationError(
             f"a collective restore needs Checkpointer(rank=...) to be the rank in the replication "
-            f"group: it is {ckpt.rank}, the group says {rs.rank}"
+            f"group: it is {store.rank}, the group says {rs.rank}"
         )
-    rs._check_usable()
-    await rs._start()
-    await ckpt._drain()  # in-flight saves replicate: let them finish in their order first
-    if rs._lock is None:
-        rs._lock = anyio.Lock()
-    async with rs._lock:
-        rs._check_usable()
-        try:
-            return await _restore(ckpt, rs, step, progress)
-        except (ConfigurationError, ResourceError, IntegrityError, PersistError):
-            # Decided alike on every rank after a complete round (or this rank's own disk
-            # failed after one): the group is in step and stays usable.
-            raise
-        except BaseException as exc:
-            rs._broken = describe(exc)
-            raise
+    await drain()  # in-flight saves replicate: let them finish in their order first
+    # Decided alike on every rank after a complete round (or this rank's own disk failed
+    # after one): the group is in step and stays usable.  Anything else breaks it.
+    agreed = (ConfigurationError, ResourceError, IntegrityError, PersistError)
+    async with rs.collective(agreed=agreed) as session:
+        return await _restore(store, session, step, progress)
 
 
-async def _restore(
-    ckpt: Checkpointer, rs: ReplicationStager, requested: int | None, progress: ReadProgress
-) -> Any:
+async def _restore(store: StepStore, rs: GroupSession, requested: int | None, progress: ReadProgress) -> Any:
     started = time.perf_counter()
     deadline = started + rs.timeout
     own_bad: set[int] = set()
@@ -451,13 +437,13 @@ async def _restore(
     refused: list[str] = []
     round_ = 0
     while True:
-        own = await blocking_io(_own_steps, ckpt) - own_bad
+        own = await blocking_io(_own_steps, store) - own_bad
         held = {s: p for s, p in (await blocking_io(_held_steps, rs)).items() if s not in held_bad}
         mine = Inventory(frozenset(own), frozenset(held), rs.send_to, rs.recv_from)
         records = await all_gather(rs, mine.record(), kind=_INVENTORY, round_=round_, deadline=deadline)
         inventories = [Inventory.from_record(r, source, rs.world_size) for source, r in enumerate(records)]
         plan = plan_restore(inventories, requested, refused)
-        attempt = await _attempt(ckpt, rs, plan, held, deadline, progress)
+        attempt = await _attempt(store, rs, plan, held, deadline, progress)
         if attempt.error is not None:
             raise attempt.error
         outcomes = await all_gather(
@@ -475,14 +461,14 @@ async def _restore(
                 time.perf_counter() - started,
             )
             if requested is None:
-                await _drop_newer(ckpt, rs, s)
+                await _drop_newer(store, rs, s)
             return attempt.state
         log.warning("rank %d: restoring step %d failed somewhere (%s); trying again", rs.rank, s, refused[-1])
         round_ += 1
 
 
 def _judge(
-    rs: ReplicationStager,
+    rs: GroupSession,
     plan: RestorePlan,
     attempt: _Attempt,
     outcomes: list[list[int]],
@@ -525,8 +511,8 @@ def _judge(
 
 
 async def _attempt(
-    ckpt: Checkpointer,
-    rs: ReplicationStager,
+    store: StepStore,
+    rs: GroupSession,
     plan: RestorePlan,
     held: dict[int, Path],
     deadline: float,
@@ -539,14 +525,13 @@ async def _attempt(
     receive = rs.rank in plan.fetch
 
     async def load_local() -> None:
-        from .._files.markers import header_check as _header_check
-
-        marker = ckpt._committed[s]
+        marker = store.marker(s)
+        assert marker is not None  # an own step: committed
         entry = marker.files[0]
-        path = ckpt.step_dir(s) / entry.name
-        check = _header_check(path, step=s, rank=ckpt.rank, checkpoint_id=marker.checkpoint_id, entry=entry)
+        path = store.step_dir(s) / entry.name
+        check = header_check(path, step=s, rank=store.rank, checkpoint_id=marker.checkpoint_id, entry=entry)
         try:
-            attempt.state = await ckpt._load_local(s, path, progress.checking(s, check), progress.advance)
+            attempt.state = await store.load(s, path, progress.checking(s, check), progress.advance)
             attempt.local = OK
         except (OSError, IntegrityError) as exc:
             log.warning("rank %d: the local checkpoint of step %d is unusable: %s", rs.rank, s, exc)
@@ -555,7 +540,7 @@ async def _attempt(
     async def transfer() -> None:
         try:
             source = held.get(s) if send else None
-            await _transfer(ckpt, rs, plan, source, send, receive, attempt, deadline, progress)
+            await _transfer(store, rs, plan, source, send, receive, attempt, deadline, progress)
         except Exception as exc:
             attempt.error = exc
             raise
@@ -574,8 +559,8 @@ async def _attempt(
 
 
 async def _transfer(
-    ckpt: Checkpointer,
-    rs: ReplicationStager,
+    store: StepStore,
+    rs: GroupSession,
     plan: RestorePlan,
     source: Path | None,
     send: bool,
@@ -585,9 +570,9 @@ async def _transfer(
     progress: ReadProgress,
 ) -> None:
     payload = await _outgoing(rs, plan.step, source) if send else None
-    sink = await _incoming(ckpt, rs, plan.step, attempt, progress) if receive else None
+    sink = await _incoming(store, rs, plan.step, attempt, progress) if receive else None
     try:
-        await rs._wire(
+        await rs.transfer(
             payload,
             sink,
             send_to=rs.recv_from if send else None,
@@ -597,13 +582,13 @@ async def _transfer(
         )
         del payload
         if sink is not None:
-            await _heal(ckpt, rs, sink, attempt)
+            await _heal(store, rs, sink, attempt)
     finally:
         if sink is not None:
             await sink.aclose()
 
 
-async def _outgoing(rs: ReplicationStager, step: int, source: Path | None) -> _transport.Payload:
+async def _outgoing(rs: GroupSession, step: int, source: Path | None) -> _transport.Payload:
     """The replica of ``step`` this rank holds for its owner, or nothing if it cannot be read."""
     try:
         if source is None:
@@ -617,27 +602,23 @@ async def _outgoing(rs: ReplicationStager, step: int, source: Path | None) -> _t
 
 
 async def _incoming(
-    ckpt: Checkpointer, rs: ReplicationStager, step: int, attempt: _Attempt, progress: ReadProgress
+    store: StepStore, rs: GroupSession, step: int, attempt: _Attempt, progress: ReadProgress
 ) -> _HealingSink:
     """The sink that writes the copy of ``step`` received from the holder as this rank's own."""
     try:
-        await _forget_step(ckpt, step)
+        await store.forget(step)
     except OSError as exc:  # take part all the same: the outcome round reports it
         attempt.unwritable = PersistError(
             f"cannot uncommit the unusable step {step} of rank {rs.rank}: {exc}"
         )
     # The step directory is opened without following a link, like the Checkpointer's own.
-    opener = ckpt._step_dir_opener(step)
-    path = ckpt.step_dir(step) / ckpt._data_name
-    return _HealingSink(path, rs.rank, step, rs._inbox, progress, open_dir=opener)
+    opener = store.step_dir_opener(step)
+    path = store.data_path(step)
+    return _HealingSink(path, rs.rank, step, rs.inbox, progress, open_dir=opener)
 
 
-async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, attempt: _Attempt) -> None:
+async def _heal(store: StepStore, rs: GroupSession, sink: _HealingSink, attempt: _Attempt) -> None:
     """Commit the received copy as this rank's checkpoint of the step; rebuild the state."""
-    from .._files.markers import FileEntry as _FileEntry
-    from .._files.markers import Marker as _Marker
-    from .._files.markers import storages_crc32c as _storages_crc32c
-
     if attempt.unwritable is not None:
         attempt.fetched = UNWRITABLE
         return
@@ -657,19 +638,11 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
         attempt.fetched = UNWRITABLE
         attempt.unwritable = exc
         return
-    entry = _FileEntry(ckpt._data_name, header.total_nbytes, _storages_crc32c(header))
-    marker = _Marker(header.step, ckpt.rank, header.checkpoint_id, time.time(), (entry,))
+    entry = FileEntry(store.data_name, header.total_nbytes, storages_crc32c(header))
+    marker = Marker(header.step, store.rank, header.checkpoint_id, time.time(), (entry,))
     try:
         with anyio.CancelScope(shield=True):
-            # The step directory's entry is durable before its marker commits it.
-            await blocking_io(os.fsync, ckpt._dir_fd, limiter=ckpt._limiter)
-            await write_checkpoint_file(
-                ckpt.step_dir(header.step) / ckpt._marker_name,
-                [marker.to_json()],
-                limiter=ckpt._limiter,
-                open_dir=ckpt._step_dir_opener(header.step),
-            )
-            ckpt._committed[header.step] = marker
+            await store.commit(marker)
     except PersistError as exc:
         log.error("rank %d: cannot commit the step %d it received: %s", rs.rank, header.step, exc)
         attempt.fetched = UNWRITABLE
@@ -687,55 +660,22 @@ async def _heal(ckpt: Checkpointer, rs: ReplicationStager, sink: _HealingSink, a
     )
 
 
-async def _drop_newer(ckpt: Checkpointer, rs: ReplicationStager, step: int) -> None:
+async def _drop_newer(store: StepStore, rs: GroupSession, step: int) -> None:
     """Remove this rank's committed steps and held replicas newer than the agreed ``step``.
 
     Not every rank can restore them (or the ranks would have agreed on one), so no job can
     ever resume from them; removing them lets the resumed job save those step numbers again.
     """
-    from .._files.retention import delete_step as _delete_step
-
-    for newer in sorted(s for s in ckpt._committed if s > step):
-        marker = ckpt._committed.pop(newer)
+    for newer in [s for s in store.steps() if s > step]:
         try:
-            await blocking_io(
-                _delete_step,
-                ckpt._dir_fd,
-                ckpt.step_dir(newer).name,
-                marker,
-                ckpt._marker_name,
-                limiter=ckpt._limiter,
-            )
+            await store.delete(newer)
         except OSError as exc:
-            log.warning("rank %d: cannot remove its step %d (still committed): %s", ckpt.rank, newer, exc)
-            ckpt._committed[newer] = marker
+            log.warning("rank %d: cannot remove its step %d (still committed): %s", store.rank, newer, exc)
         else:
-            log.warning("rank %d: removed its step %d: not every rank can restore it", ckpt.rank, newer)
+            log.warning("rank %d: removed its step %d: not every rank can restore it", store.rank, newer)
     held = await blocking_io(rs.held_replicas)
     for newer in sorted(s for s in held if s > step):
         try:
             await blocking_io(os.unlink, held[newer])
         except OSError as exc:
             log.warning("rank %d: cannot remove the replica %s: %s", rs.rank, held[newer], exc)
-
-
-async def _forget_step(ckpt: Checkpointer, step: int) -> None:
-    """Uncommit a local copy about to be replaced: the marker goes first, made durable."""
-    from .._files.directory import existing_step_dir as _existing_step_dir
-
-    ckpt._committed.pop(step, None)
-    assert ckpt._dir_fd is not None
-    dir_fd, name, marker_name = ckpt._dir_fd, ckpt.step_dir(step).name, ckpt._marker_name
-
-    def remove() -> None:
-        # Relative to the step directory, opened without following a link: never outside.
-        with _existing_step_dir(dir_fd, name) as step_fd:
-            if step_fd is None:
-                return
-            try:
-                os.unlink(marker_name, dir_fd=step_fd)
-            except FileNotFoundError:
-                return
-            os.fsync(step_fd)
-
-    await blocking_io(remove, limiter=ckpt._limiter)

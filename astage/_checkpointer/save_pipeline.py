@@ -27,33 +27,27 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import sniffio
 
-from .._files.directory import rank_file_names, step_dir_name, step_dir_opener
+from .._files.directory import step_dir_name
 from .._files.durable import blocking_io, write_checkpoint_file, write_checkpoint_file_blocking
 from .._files.markers import FileEntry, Marker, encoded_storages_crc32c
 from .._files.retention import discard_uncommitted
+from .._files.steps import StepStore
 from .._format.codec import Encoded, FileLayout
 from .._format.layouts import LayoutCache, PendingLayout
+from .._replication.stager import ReplicationStager
 from .._staging.stager import AsyncStager, StageStats
 from .._util.errors import AstageError
 from .._util.frames import drop_frames, frames_dropped
 from .._util.threads import run_sync
-
-if TYPE_CHECKING:
-    from .._replication.stager import ReplicationStager
-    from .checkpointer import Replicator, SaveStats
+from .interfaces import EventKind, Replicator, SaveStats
 
 # The Checkpointer's logger: splitting the module changes nothing users configure.
 log = logging.getLogger("astage.checkpointer")
-
-EventKind = Literal["staged", "persisted", "replicated", "committed", "failed"]
-"""What happened to a save: ``staged`` first, then ``persisted`` (the local file is durable)
-and ``replicated`` in either order, then ``committed``, or ``failed`` instead."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,8 +123,6 @@ class _Releasing(Protocol):
 
 def _blocking_replicator(replication: Replicator | None) -> ReplicationStager | None:
     """``replication`` if a save's worker thread can drive it without the event loop."""
-    from .._replication.stager import ReplicationStager
-
     # Only astage's own replicate_staged: a subclass that overrides it is called through it.
     if (
         isinstance(replication, ReplicationStager)
@@ -162,24 +154,18 @@ class Persister:
 
     def __init__(
         self,
-        directory: Path,
-        dir_fd: int,
-        rank: int,
+        store: StepStore,
         stager: AsyncStager,
         replication: Replicator | None,
-        limiter: anyio.CapacityLimiter,
         emit: Callable[[EventKind, Job], None],
     ) -> None:
-        self._directory = directory
-        self._dir_fd = dir_fd
-        self._rank = rank
-        self._data_name, self._marker_name = rank_file_names(rank)
+        self._store = store
         self._stager = stager
         self._replication = replication
         self._share_encoded = replication is not None and _takes_encoded(replication)
-        self._limiter = limiter
+        self._limiter = store.limiter
         self._emit = emit
-        self._layouts = LayoutCache(rank)
+        self._layouts = LayoutCache(store.rank)
         # Save order among the worker threads: each waits for the one before it to end.
         self._order = threading.Condition()
         self._blocking_replication = _blocking_replicator(replication)
@@ -329,18 +315,18 @@ class Persister:
     ) -> FileEntry:
         """Write this rank's file durably (not yet committed), on the calling thread."""
         try:
-            entry = FileEntry(self._data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
+            entry = FileEntry(self._store.data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
             job.written = True  # from here on, a file may exist that must not outlive a failure
             write_checkpoint_file_blocking(
-                self._directory / step_dir_name(job.step) / self._data_name,
+                self._store.data_path(job.step),
                 encoded,
-                open_dir=step_dir_opener(self._dir_fd, job.step),
+                open_dir=self._store.step_dir_opener(job.step),
                 check=functools.partial(self._check, job),
             )
         finally:
             del encoded  # it views the staged buffers, which go back to the stager
         # The step directory's entry is durable before anything in it is committed.
-        os.fsync(self._dir_fd)
+        os.fsync(self._store.dir_fd)
         job.nbytes = entry.nbytes
         job.persist_seconds = time.perf_counter() - begin
         post(functools.partial(self._emit, "persisted", job))
@@ -355,14 +341,14 @@ class Persister:
 
     def _commit_blocking(self, job: Job, entry: FileEntry) -> Marker:
         """Write the marker durably: once renamed, the step is committed."""
-        marker = Marker(job.step, self._rank, job.checkpoint_id, time.time(), (entry,))
+        marker = Marker(job.step, self._store.rank, job.checkpoint_id, time.time(), (entry,))
         write_checkpoint_file_blocking(
-            self._directory / step_dir_name(job.step) / self._marker_name,
+            self._store.marker_path(job.step),
             [marker.to_json()],
-            open_dir=step_dir_opener(self._dir_fd, job.step),
+            open_dir=self._store.step_dir_opener(job.step),
         )
         # The step directory's entry is durable before anything in it is committed.
-        os.fsync(self._dir_fd)
+        os.fsync(self._store.dir_fd)
         job.durable_at = time.perf_counter()
         job.committed = True
         return marker
@@ -438,16 +424,16 @@ class Persister:
     async def _write_local(self, job: Job, encoded: Encoded, begin: float) -> FileEntry:
         """Write this rank's file durably (not yet committed)."""
         try:
-            entry = FileEntry(self._data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
+            entry = FileEntry(self._store.data_name, encoded.total_nbytes, encoded_storages_crc32c(encoded))
             job.written = True  # from here on, a file may exist that must not outlive a failure
             await write_checkpoint_file(
-                self._directory / step_dir_name(job.step) / self._data_name,
+                self._store.data_path(job.step),
                 encoded,
                 limiter=self._limiter,
-                open_dir=step_dir_opener(self._dir_fd, job.step),
+                open_dir=self._store.step_dir_opener(job.step),
             )
             # The step directory's entry is durable before anything in it is committed.
-            await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
+            await blocking_io(os.fsync, self._store.dir_fd, limiter=self._limiter)
         finally:
             del encoded  # it views the staged buffers, which go back to the stager
         job.nbytes = entry.nbytes
@@ -460,17 +446,17 @@ class Persister:
 
         ``job.committed`` is set once it is; the caller records the marker at once.
         """
-        marker = Marker(job.step, self._rank, job.checkpoint_id, time.time(), (entry,))
-        marker_path = self._directory / step_dir_name(job.step) / self._marker_name
+        marker = Marker(job.step, self._store.rank, job.checkpoint_id, time.time(), (entry,))
+        marker_path = self._store.marker_path(job.step)
         with anyio.CancelScope(shield=True):
             await write_checkpoint_file(
                 marker_path,
                 [marker.to_json()],
                 limiter=self._limiter,
-                open_dir=step_dir_opener(self._dir_fd, job.step),
+                open_dir=self._store.step_dir_opener(job.step),
             )
             # The step directory's entry is durable before anything in it is committed.
-            await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
+            await blocking_io(os.fsync, self._store.dir_fd, limiter=self._limiter)
             job.durable_at = time.perf_counter()
             job.committed = True
         return marker
@@ -493,9 +479,9 @@ class Persister:
         try:
             await blocking_io(
                 discard_uncommitted,
-                self._dir_fd,
+                self._store.dir_fd,
                 step_dir_name(job.step),
-                self._data_name,
+                self._store.data_name,
                 limiter=self._limiter,
             )
         except OSError as exc:

@@ -758,7 +758,7 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None, fla
     return fd
 
 
-class _CheckpointFile:
+class CheckpointFile:
     """Blocking steps over one open replica file; run inline or in worker threads."""
 
     def __init__(self, path: Path, dir_fd: int | None = None) -> None:
@@ -839,7 +839,7 @@ async def load_checkpoint_file(
         tampered anywhere; or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(_CheckpointFile, Path(path), dir_fd, limiter=limiter)
+    f = await blocking_io(CheckpointFile, Path(path), dir_fd, limiter=limiter)
     try:
         header, _ = await blocking_io(f.header, limiter=limiter)
         if check is not None:
@@ -867,7 +867,7 @@ def load_checkpoint_file_sync(
         it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = _CheckpointFile(Path(path))
+    f = CheckpointFile(Path(path))
     try:
         header, _ = f.header()
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
@@ -887,7 +887,7 @@ def inspect_checkpoint_file(path: str | os.PathLike[str]) -> CheckpointFileInfo:
         or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = _CheckpointFile(Path(path))
+    f = CheckpointFile(Path(path))
     try:
         header, st = f.header()
     finally:

@@ -1,8 +1,8 @@
 """The receiving end of a replica: written and verified as it lands, committed only whole.
 
-:class:`_StreamingSink` is what :class:`astage.ReplicationStager` (and the collective
+:class:`StreamingSink` is what :class:`astage.ReplicationStager` (and the collective
 restore, through a subclass) hands the transport as its ``allocate``/``on_prefix``/
-``on_chunk`` hooks; :func:`_retire_previous` and :func:`_delete` keep the replica a commit
+``on_chunk`` hooks; :func:`_retire_previous` and :func:`unlink_if_present` keep the replica a commit
 replaces out of the commit's critical path.
 """
 
@@ -45,7 +45,7 @@ def _retire_previous(path: Path) -> Path | None:
     return retired
 
 
-def _delete(path: Path) -> None:
+def unlink_if_present(path: Path) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -54,7 +54,7 @@ def _delete(path: Path) -> None:
         log.warning("cannot remove the replaced replica %s: %s", path, exc)
 
 
-class _StreamingSink:
+class StreamingSink:
     """Writes and verifies a replica as the transport delivers it.
 
     The prefix is parsed (in a worker thread, through ``headers`` where given: a holder
@@ -146,7 +146,7 @@ class _StreamingSink:
             # after it (only the directory fsync failed) it is the old replica itself.
             if retired is not None:
                 with anyio.CancelScope(shield=True):
-                    await blocking_io(_delete, retired)
+                    await blocking_io(unlink_if_present, retired)
             raise
         self.retired = retired
         return self.verifier.header
@@ -161,8 +161,8 @@ class _StreamingSink:
             self.lease = None
 
 
-class _BlockingSink:
-    """:class:`_StreamingSink`'s work on the calling thread, for an exchange that needs no
+class BlockingSink:
+    """:class:`StreamingSink`'s work on the calling thread, for an exchange that needs no
     event loop (:mod:`astage._transport._blocking`): each chunk is written and checked as it
     lands; nothing is renamed into place before the whole body has been verified.
 
@@ -227,7 +227,7 @@ class _BlockingSink:
             self.writer.commit()
         except BaseException:
             if retired is not None:
-                _delete(retired)
+                unlink_if_present(retired)
             raise
         self.retired = retired
         return self.verifier.header

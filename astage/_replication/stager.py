@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -35,7 +36,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -47,7 +48,7 @@ import torch.distributed as dist
 
 from .. import _transport
 from .._files.durable import (
-    _CheckpointFile,
+    CheckpointFile,
     blocking_io,
     inspect_checkpoint_file,
     make_dirs_durable,
@@ -82,7 +83,7 @@ from .._util.errors import describe as _describe
 from .._util.limits import INT64
 from .._util.threads import run_sync
 from .._util.validate import check_int, check_path, check_seconds
-from .sink import _BlockingSink, _delete, _StreamingSink
+from .sink import BlockingSink, StreamingSink, unlink_if_present
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import StagingOptions as TorchStagingOptions
@@ -176,7 +177,24 @@ def _check_call(step: object, checkpoint_id: object) -> None:
         )
 
 
-def _remaining(deadline: float) -> float:
+@dataclasses.dataclass(frozen=True)
+class GroupSession:
+    """What a collective operation uses of a :class:`ReplicationStager` while it holds the
+    group (:meth:`ReplicationStager.collective`): the ring, the deadline's length, the pool
+    received copies land in, and the one path to the wire."""
+
+    rank: int
+    world_size: int
+    send_to: int
+    recv_from: int
+    timeout: float
+    process_group: Any
+    inbox: BufferPool
+    transfer: Callable[..., Awaitable[_transport.Received | None]]
+    held_replicas: Callable[[], dict[int, Path]]
+
+
+def time_left(deadline: float) -> float:
     return max(deadline - time.perf_counter(), 1e-3)
 
 
@@ -415,7 +433,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
             if started is not None:
                 started()
             while self._retired:  # replicas replaced by earlier calls
-                _delete(self._retired.pop(0))
+                unlink_if_present(self._retired.pop(0))
             self._phase = ReplicationPhase.STAGED
             begun = time.perf_counter()
             deadline = time.monotonic() + self.timeout
@@ -444,7 +462,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         log.debug("replicated step %d (worker thread) in %.3fs", step, time.perf_counter() - begun)
 
     def _exchange_blocking(self, mine: Encoded, path: Path, deadline: float) -> None:
-        sink = _BlockingSink(path, self.recv_from, self._headers.parse, self._body_buffer)
+        sink = BlockingSink(path, self.recv_from, self._headers.parse, self._body_buffer)
         link = _blocking.BlockingLink(
             self.process_group,
             deadline,
@@ -615,7 +633,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         :returns: what was received, its header, and when persisting began and ended.
         A local failure after the exchange is told to the peer before it is raised.
         """
-        sink = _StreamingSink(path, self.recv_from, self._inbox, headers=self._headers)
+        sink = StreamingSink(path, self.recv_from, self._inbox, headers=self._headers)
         try:
             received = await self._wire(
                 _transport.Payload(encoded.prefix, encoded.segments, encoded.body_nbytes),
@@ -650,10 +668,45 @@ class ReplicationStager(anyio.abc.AsyncResource):
             # The peer was not told, and the transport broke the group doing so.
             self._broken = _describe(ack_failure)
 
+    @contextlib.asynccontextmanager
+    async def collective(
+        self, *, agreed: tuple[type[BaseException], ...] = ()
+    ) -> AsyncIterator[GroupSession]:
+        """This stager's group for one of astage's own collective operations (a collective
+        restore), not for users: started, usable, and held alone for the block.
+
+        An exception out of the block breaks the group (peers may be mid-protocol), unless
+        it is one of ``agreed``: outcomes every rank decided alike after a complete round.
+        """
+        self._check_usable()
+        await self._start()
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            self._check_usable()
+            try:
+                yield GroupSession(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    send_to=self.send_to,
+                    recv_from=self.recv_from,
+                    timeout=self.timeout,
+                    process_group=self.process_group,
+                    inbox=self._inbox,
+                    transfer=self._wire,
+                    held_replicas=self.held_replicas,
+                )
+            except agreed:
+                raise
+            except BaseException as exc:
+                if self._broken is None:
+                    self._broken = _describe(exc)
+                raise
+
     async def _wire(
         self,
         payload: _transport.Payload | None,
-        sink: _StreamingSink | None,
+        sink: StreamingSink | None,
         *,
         send_to: int | None,
         recv_from: int | None,
@@ -667,7 +720,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         (``time.perf_counter``).  With ``track_phase``, an exchange marks the phase *posted*
         as it first touches the group.
         """
-        timeout = _remaining(deadline)
+        timeout = time_left(deadline)
         if recv_from is None:
             assert payload is not None
             assert send_to is not None
@@ -772,7 +825,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         # One at a time, so that a cancellation leaves the rest listed (the sweep at the
         # next start-up removes whatever a crash leaves: they carry temp-file names).
         while self._retired:
-            await blocking_io(_delete, self._retired[0])
+            await blocking_io(unlink_if_present, self._retired[0])
             self._retired.pop(0)
 
     def _posted(self) -> None:
@@ -786,7 +839,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
                 ok,
                 send_to=self.send_to,
                 recv_from=self.recv_from,
-                timeout=_remaining(deadline),
+                timeout=time_left(deadline),
                 message=message,
             )
         except PeerReportedError:
@@ -824,11 +877,11 @@ def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) 
 def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
     """A held replica's prefix and body, verified; ``None`` if missing or invalid.
 
-    Opened like every replica astage reads (:class:`astage._files.durable._CheckpointFile`): a link
+    Opened like every replica astage reads (:class:`astage._files.durable.CheckpointFile`): a link
     or a FIFO planted under the replica's name is refused, never followed or waited on.
     """
     try:
-        f = _CheckpointFile(path)
+        f = CheckpointFile(path)
     except FileNotFoundError:
         return None
     except (OSError, IntegrityError) as exc:
