@@ -17,6 +17,7 @@ import torch
 
 from astage import BlockingStager, DefaultStager, StagingOptions
 from astage._staging.options import accelerator_available
+from astage._staging.reuse import Reuse
 from astage._staging.stager import AsyncStager
 from tests.helpers import run_cancelled_at
 from tests.snapshots import assert_matches, take, tensors_of
@@ -205,15 +206,15 @@ async def test_a_release_does_not_keep_a_copy_that_a_stage_began_to_wait_for(
     """A stage that begins to wait for room while a release is checking its copy: the
     copy must go back to the pool for it, not be kept for a refill."""
     sd = small_state()
-    original = DefaultStager._iter_spare
+    original = Reuse.spare_of
 
-    def spare_then_a_waiter(self: DefaultStager, fast: Any, staged: Any) -> Any:
+    def spare_then_a_waiter(self: Reuse, fast: Any, staged: Any) -> Any:
         spare = yield from original(self, fast, staged)
         while not self._pool.waiting:  # give the loop turns until the stage waits for room
             yield
         return spare
 
-    monkeypatch.setattr(DefaultStager, "_iter_spare", spare_then_a_waiter)
+    monkeypatch.setattr(Reuse, "spare_of", spare_then_a_waiter)
     async with DefaultStager(StagingOptions(max_staging_bytes=2 * 4000)) as stager:
         first = await stager.stage(sd)
         second = await stager.stage(sd)  # the cap is full now

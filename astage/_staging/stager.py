@@ -32,15 +32,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import itertools
 import logging
-import operator
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Protocol, Self, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
 
 import anyio
 import anyio.abc
@@ -51,7 +48,7 @@ import torch
 from .._util.collector import gc_paused, promote
 from .._util.errors import ClosedError, EventLoopError, UnsupportedInputError
 from .._util.threads import run_sync
-from .._util.timeslice import Steps, clock, drive, iter_distinct, run_steps, slice_over, within
+from .._util.timeslice import Steps, clock, drive, run_steps, slice_over, within
 from .copies import (
     CopyLayout,
     CopyWork,
@@ -74,9 +71,10 @@ from .options import (
     coerce_options,
 )
 from .plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
-from .pool import Buffer, BufferKind, BufferPool, Lease, PoolStats
+from .pool import BufferKind, BufferPool, Lease, PoolStats
 from .rebuild import Rebuilder, copy_streams, make_tensor, plain_tensor_mode
-from .recheck import AtomSlots, FastPlan, iter_fast_plan, iter_match, set_atoms
+from .recheck import iter_fast_plan, iter_match, set_atoms
+from .reuse import Patches, Reuse, Spare, as_matched, empty_all, empty_tensor
 from .torch_api import refuse_torch_caller
 
 if TYPE_CHECKING:
@@ -130,6 +128,9 @@ class StageStats:
         place keeps its number (0 where the stager numbers none).
     :ivar refilled: the stage refilled a released copy in place: the tree it returned is the
         one handed out before under the same ``copy`` number, checked whole at its release.
+    :ivar planned: the stage planned the state_dict from scratch (a first stage, or a
+        structure that changed); ``False``: it re-checked the plan kept from the last stage
+        and used it (the fast path of a repeated stage).
     """
 
     tensors: int
@@ -143,6 +144,7 @@ class StageStats:
     tensors_skipped: int = 0
     copy: int = 0
     refilled: bool = False
+    planned: bool = False
 
     @property
     def gbps(self) -> float:
@@ -157,7 +159,8 @@ class StageStats:
             f"bytes={self.bytes:,}, bytes_allocated={self.bytes_allocated:,}, "
             f"reused_buffers={self.reused_buffers}, seconds={self.seconds:.4f}, "
             f"wait_seconds={self.wait_seconds:.4f}, bytes_skipped={self.bytes_skipped:,}, "
-            f"tensors_skipped={self.tensors_skipped}, copy={self.copy}, refilled={self.refilled})"
+            f"tensors_skipped={self.tensors_skipped}, copy={self.copy}, refilled={self.refilled}, "
+            f"planned={self.planned})"
         )
 
 
@@ -244,18 +247,8 @@ class DefaultStager(anyio.abc.AsyncResource):
         self._loop: object = None
         self._loop_users = 0
         # The fast path, so a repeated stage of one structure is re-checked, not re-planned:
-        # the last plan in a form a later stage can check, how its storages are batched, a
-        # released copy kept to be refilled in place, and (with skip_unchanged) what the
-        # last stage copied.
-        self._fast: FastPlan | None = None
-        self._layout: CopyLayout | None = None
-        self._spare: _Spare | None = None
-        self._last: _Filled | None = None
-        self._released: _Released | None = None
-        # With skip_unchanged, the source storages the plan was made of, kept alive: the
-        # re-check compares storages by their StorageImpl's address, which only means "the
-        # same storage" while that storage cannot be freed and its address taken by another.
-        self._plan_storages: tuple[torch.UntypedStorage, ...] = ()
+        # everything kept from the last stage for the next, with its one rule (reuse.py).
+        self._reuse = Reuse(self._pool, skip_unchanged=r.skip_unchanged)
 
     # -- lifecycle (``async with`` comes from AsyncResource: it calls aclose) ---------------
 
@@ -365,17 +358,17 @@ class DefaultStager(anyio.abc.AsyncResource):
 
     async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
         started = clock()
-        fast = self._fast
+        fast = self._reuse.fast
         sources: list[torch.Tensor] | None = None
         # Scalars that changed since the plan was made (a learning rate, a step count): put
         # into the staged tree, not a reason to plan again.
         patches: list[tuple[int, Any]] = []
         if fast is not None:
             sources = await self._run(iter_match(fast, state_dict, patches=patches), makes_tensors=False)
-        layout = self._layout
+        layout = self._reuse.layout
         if sources is None or fast is None or layout is None:
             return await self._stage_first(state_dict, started)  # a new structure
-        spare = self._spare
+        spare = self._reuse.spare
         if spare is not None and spare.fast is fast:
             # No local may keep the copy alive past a failed refill (the pool takes its
             # buffers back once nothing references them): _refill takes it from self.
@@ -396,9 +389,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             promote(len(source.plan.tensors))
             layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
             fast = await self._run(iter_fast_plan(source), makes_tensors=False)
-        self._fast, self._layout = fast, layout
-        if fast is not None and self._resolved.skip_unchanged:
-            self._plan_storages = source.storages
+        self._reuse.adopt(fast, layout, source.storages)
         return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 
     async def _stage_new(
@@ -409,7 +400,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         started: float,
         *,
         first: bool = False,
-        patches: _Patches | None = None,
+        patches: Patches | None = None,
     ) -> tuple[Any, StageStats]:
         """Stage into newly leased buffers and build a new tree over them (with ``patches``:
         the plan's atom slots and the changed scalars to put there)."""
@@ -425,7 +416,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         with gc_paused() if first else contextlib.nullcontext():
             if first:
                 promote(len(plan.tensors))
-            return await self._fill_new(plan, layout, sources, lease, started, patches)
+            return await self._fill_new(plan, layout, sources, lease, started, patches, planned=first)
 
     async def _fill_new(
         self,
@@ -434,12 +425,14 @@ class DefaultStager(anyio.abc.AsyncResource):
         sources: list[torch.Tensor],
         lease: Lease,
         started: float,
-        patches: _Patches | None,
+        patches: Patches | None,
+        *,
+        planned: bool,
     ) -> tuple[Any, StageStats]:
         """Copy into a new lease and build the tree over it; hand it out."""
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
-        seen = self._see(sources)
+        seen = self._reuse.see(sources)
         try:
             staged_locals = await self._run(_iter_locals(plan, lease.storages))
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
@@ -462,15 +455,21 @@ class DefaultStager(anyio.abc.AsyncResource):
             serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
             rebuilt = cast(list[torch.Tensor], rebuilder.tensors)
             staged_tensors = await self._run(
-                _iter_as_matched(self._fast, plan, rebuilt, staged_locals), makes_tensors=False
+                as_matched(self._reuse.fast, plan, rebuilt, staged_locals), makes_tensors=False
             )
             del rebuilt
-            remember = self._iter_remember(plan, serial, seen, staged_tensors, new=True)
+            remember = self._reuse.remember(plan, serial, seen, staged_tensors, new=True)
             await self._run(remember, makes_tensors=False)
             del remember
             del staged_tensors
         stats = self._record(
-            plan, lease.allocated_bytes, lease.reused_buffers, lease.wait_seconds, started, copy=serial
+            plan,
+            lease.allocated_bytes,
+            lease.reused_buffers,
+            lease.wait_seconds,
+            started,
+            copy=serial,
+            planned=planned,
         )
         return staged, stats
 
@@ -480,10 +479,8 @@ class DefaultStager(anyio.abc.AsyncResource):
         """Copy into the kept copy of the same plan, in place, and return its tree again,
         its atoms set to the sources' (``patches``, and the plan's values where the copy
         held others)."""
-        spare: _Spare | None = self._spare
-        assert spare is not None  # checked by the caller, with no await since
-        self._spare = None
-        self._pool.unkeep(spare.serial)
+        spare: Spare | None = self._reuse.take_spare()  # checked by the caller, with no await since
+        assert spare is not None
         plan, atoms = spare.fast.plan, spare.fast.atoms
         # The scalars first: a tree its holder broke after release() (which it must not)
         # is dropped before anything is copied into it, and a new copy is staged.
@@ -497,8 +494,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             return await self._stage_new(plan, layout, sources, started, patches=(atoms, patches))
         try:
-            seen = self._see(sources)
-            skip = self._unchanged(spare, seen)
+            seen = self._reuse.see(sources)
+            skip = self._reuse.unchanged(spare, seen)
             await self._copy(plan, layout, spare.tensors, sources, spare.storage, skip, spare.fast.storage_of)
         except BaseException as exc:
             # The copy is half refilled: drop it, emptied, so that its buffers go back to
@@ -508,7 +505,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             spare = None
             raise
         with anyio.CancelScope(shield=True):  # the copy is whole: return it
-            remember = self._iter_remember(plan, spare.serial, seen, spare.tensors, new=False)
+            remember = self._reuse.remember(plan, spare.serial, seen, spare.tensors, new=False)
             await self._run(remember, makes_tensors=False)
             del remember
         stats = self._record(
@@ -565,13 +562,8 @@ class DefaultStager(anyio.abc.AsyncResource):
 
     async def _forget_plan(self) -> None:
         """Drop the cached plan, the copy kept for re-use (emptied) and the record of the last stage."""
-        spare = self._spare
-        self._fast = self._layout = self._spare = self._last = self._released = None
-        self._plan_storages = ()
-        if spare is not None:
-            self._pool.unkeep(spare.serial)
-            tensors = spare.tensors
-            del spare
+        tensors = self._reuse.forget()
+        if tensors is not None:
             await self._drop(tensors)
 
     async def _drop(self, tensors: list[torch.Tensor]) -> None:
@@ -586,86 +578,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         would still pin its other buffers.
         """
         with anyio.CancelScope(shield=True):
-            await self._run(_iter_empty(tensors))
+            await self._run(empty_all(tensors))
         del tensors
         self._pool.reclaim()
-
-    def _see(self, sources: list[torch.Tensor]) -> _Seen | None:
-        """The sources' version counters and addresses, read before the copy (``skip_unchanged``).
-
-        Before, not after: a source written while it is being copied (a writer racing the
-        stage) may leave this copy torn, and its counter, read after, would then vouch for
-        bytes the copy does not hold; read before, it differs by the next stage, which
-        copies the storage again.
-        """
-        if not self._resolved.skip_unchanged:
-            return None
-        versions = _versions(sources)
-        fast = self._fast
-        if fast is not None and fast.dtensors is not None and len(versions) == len(fast.dtensors.plain):
-            # A DTensor's local is written by its in-place ops without a counter move: 0, never trusted.
-            versions = list(map(operator.mul, versions, fast.dtensors.plain))
-        return _Seen(versions, list(map(_tensor_ptr, sources)))
-
-    def _iter_remember(
-        self, plan: StagePlan, serial: int, seen: _Seen | None, staged: list[torch.Tensor], *, new: bool
-    ) -> Steps[None]:
-        """Record what the copy ``serial`` (the pool's lease serial) now holds, for
-        ``skip_unchanged``: its staged tensors' version counters and, for a ``new`` copy,
-        the tensors themselves, weakly (a copy its holder drops must come back to the
-        pool): a refilled copy's are known by its :class:`_Released` record."""
-        self._last = None
-        if seen is None or self._fast is None or self._fast.plan is not plan:
-            return
-        refs: list[weakref.ref[torch.Tensor]] | None = [] if new else None
-        versions: list[int] = []
-        for start in range(0, len(staged), _BLOCK):
-            block = staged[start : start + _BLOCK]
-            if refs is not None:
-                refs += map(weakref.ref, block)
-            versions += _versions(block)
-            if slice_over():
-                yield
-        self._last = _Filled(serial, seen, refs, versions)
-
-    def _unchanged(self, spare: _Spare, seen: _Seen | None) -> set[int]:
-        """Storages of ``spare`` that already hold what the sources ``seen`` hold (``skip_unchanged``).
-
-        Only for the copy the last stage filled, when its tensors are the very ones that
-        stage filled (``as_filled``) and none of them was written since (their version counters), and only
-        storages whose every source tensor kept its version counter value and address.
-        The sources' storages are those the plan was made of (the re-check compares them
-        by address, and the stager keeps them alive: :attr:`_plan_storages`), so an
-        address cannot have been freed and re-used by another storage in between.  A
-        counter at 0 is never trusted: a new counter starts there (``.data``,
-        ``torch.from_numpy``), so equal values would prove nothing; an inference tensor,
-        which has none, counts as 0.
-        """
-        last = self._last
-        self._last = None
-        if seen is None or last is None or last.serial != spare.serial:
-            return set()
-        if not spare.as_filled:
-            return set()  # a tensor swapped into the copy has a counter of its own
-        if _versions(spare.tensors) != last.staged_versions or 0 in last.staged_versions:
-            return set()
-        storages = range(len(spare.fast.plan.storages))
-        before = last.seen
-        if seen == before and 0 not in before.versions:
-            return set(storages)
-        # A column at a time, each a map of a C function: no Python frame a tensor.
-        storage_of = spare.fast.storage_of
-        if not len(storage_of) == len(seen.versions) == len(before.versions):
-            return set()  # (one plan's sources: never)
-        moved = map(
-            operator.or_,
-            map(operator.ne, seen.versions, before.versions),
-            map(operator.ne, seen.data_ptrs, before.data_ptrs),
-        )
-        changed = set(itertools.compress(storage_of, moved))
-        if 0 in before.versions:
-            changed.update(itertools.compress(storage_of, map((0).__eq__, before.versions)))
-        return set(storages) - changed
 
     async def _copy_from_host(self, work: CopyWork) -> None:
         if self._resolved.async_copy:
@@ -714,10 +629,11 @@ class DefaultStager(anyio.abc.AsyncResource):
         *,
         copy: int,
         refilled: bool = False,
+        planned: bool = False,
     ) -> StageStats:
         storages = plan.storages
         skipped_tensors = sum(map(skipped.__contains__, storage_of)) if skipped else 0
-        fast = self._fast
+        fast = self._reuse.fast
         stats = StageStats(
             tensors=len(plan.tensors),
             storages=len(storages),
@@ -730,6 +646,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             tensors_skipped=skipped_tensors,
             copy=copy,
             refilled=refilled,
+            planned=planned,
         )
         self.last_stats = stats
         log.debug(
@@ -765,21 +682,21 @@ class DefaultStager(anyio.abc.AsyncResource):
         if self._closed:
             return
         with self._one_loop("release()"):
-            fast = self._fast
+            reuse = self._reuse
+            fast = reuse.fast
             # A stager that keeps no buffers (BlockingStager without its cache) keeps no copy,
             # nor does one whose pool has stages waiting for room: they need these buffers
             # (kept, the copy would hold its bytes under the cap from them for ever).
-            if fast is not None and self._spare is None and self._pool.retain and not self._pool.waiting:
-                spare = await run_steps(self._iter_spare(fast, staged))
+            if fast is not None and reuse.spare is None and self._pool.retain and not self._pool.waiting:
+                spare = await run_steps(reuse.spare_of(fast, staged))
                 # (Checked again: a stage may have begun to wait for room meanwhile.)
                 if (
                     spare is not None
-                    and self._spare is None
-                    and self._fast is fast
+                    and reuse.spare is None
+                    and reuse.fast is fast
                     and not self._pool.waiting
                 ):
-                    self._spare = spare
-                    self._pool.keep(spare.serial, fast.nbytes)
+                    reuse.keep(spare)
                     return
             found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
             ours = self._pool.handed_out_storages(kept=True)
@@ -797,293 +714,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             with plain_tensor_mode():
                 for _, tensor in found:
                     if tensor.untyped_storage()._cdata in ours:
-                        _empty(tensor)
+                        empty_tensor(tensor)
             del found
             self._pool.reclaim()
-
-    def _iter_spare(self, fast: FastPlan, staged: Any) -> Steps[_Spare | None]:
-        """``staged`` as a copy to refill, if it is one whole copy of ``fast``'s plan as it
-        was handed out: same tree, tensors, metadata, over all of one copy's buffers."""
-        off_plan: list[tuple[int, Any]] = []  # atoms the copy holds other values at than the plan
-        tensors = yield from iter_match(fast, staged, meta_only=True, patches=off_plan)
-        if tensors is None:
-            return None
-        plan = fast.plan
-        if not plan.storages:
-            return None
-        spare = yield from self._iter_released_again(fast, staged, tensors)
-        if spare is None:
-            spare = yield from self._iter_check_spare(fast, staged, tensors)
-            if spare is not None:
-                spare.as_filled = yield from self._iter_as_filled(spare)
-                self._released = yield from _Released.iter_of(spare, self._resolved.skip_unchanged)
-        if spare is not None:
-            spare.off_plan = tuple(slot for slot, _ in off_plan)
-        return spare
-
-    def _iter_as_filled(self, spare: _Spare) -> Steps[bool]:
-        """Whether ``spare``'s tensors are the very ones the last stage filled, when that
-        stage made the copy (its record holds them weakly); a refilled copy is known by its
-        :class:`_Released` record instead."""
-        last = self._last
-        if last is None or last.serial != spare.serial or last.staged is None:
-            return False
-        staged, tensors = last.staged, spare.tensors
-        if len(staged) != len(tensors):
-            return False
-        for start in range(0, len(tensors), _BLOCK):
-            end = start + _BLOCK
-            if not all(map(operator.is_, map(_deref, staged[start:end]), tensors[start:end])):
-                return False
-            if slice_over():
-                yield
-        return True
-
-    def _iter_released_again(
-        self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
-    ) -> Steps[_Spare | None]:
-        """``staged`` as a copy to refill, if it is the copy released last time, again.
-
-        That copy was checked whole then (:meth:`_iter_check_spare`); it is the same one
-        now if all its buffers are still handed out as that copy (a buffer that came back
-        to the pool cannot rejoin it: a copy is never handed out again), none resized, and
-        every tensor views the buffer it did (by the storage itself, never a data address:
-        a buffer resized away frees its memory for any other storage to take; the offsets
-        were checked by the match) and is the tensor it was (a tensor swapped in has a
-        version counter of its own).  The copy's tensors are then the ones the stages since
-        refilled (``as_filled``).  C-speed comparisons a block at a time, not a Python
-        step and three lookups a tensor: a release of 20,000 tensors took ~15 ms more.
-        """
-        known = self._released
-        pool = self._pool
-        if known is None or known.fast is not fast or pool.copy_buffers(known.serial) != len(known.buffers):
-            return None
-        out = pool.handed_out_buffers()
-        buffers: list[Buffer] = []
-        for start in range(0, max(len(known.buffers), len(tensors)), _BLOCK):
-            end = start + _BLOCK
-            try:
-                block = list(map(out.__getitem__, known.buffers[start:end]))
-            except KeyError:
-                return None
-            if (
-                list(map(_nbytes, block)) != known.nbytes[start:end]
-                or list(map(_cdata, map(_untyped_storage, tensors[start:end])))
-                != known.tensor_buffers[start:end]
-                or (
-                    known.tensors is not None
-                    and not all(map(operator.is_, map(_deref, known.tensors[start:end]), tensors[start:end]))
-                )
-            ):
-                return None
-            buffers += block
-            if slice_over():
-                yield
-        if self._released is not known or pool.copy_buffers(known.serial) != len(buffers):
-            return None  # (changed between two slices)
-        as_filled = known.tensors is not None
-        return _Spare(fast, staged, tensors, tuple(buffers), known.serial, as_filled=as_filled)
-
-    def _iter_check_spare(
-        self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
-    ) -> Steps[_Spare | None]:
-        """``staged`` (whose ``tensors`` matched ``fast`` in their metadata) as a copy to
-        refill, if its tensors view all the buffers of one copy, one buffer a storage."""
-        plan = fast.plan
-        pool = self._pool
-        out = pool.handed_out_buffers()
-        storages = plan.storages
-        buffers: list[Buffer | None] = [None] * len(storages)
-        serial = None
-        for spec, t in zip(plan.tensors, tensors, strict=True):
-            key = t.untyped_storage()._cdata
-            buf = out.get(key)
-            if buf is None:
-                return None
-            s = spec.storage
-            have = buffers[s]
-            if have is None:
-                if buf.nbytes() != storages[s].nbytes:
-                    return None
-                copy = pool.copy_of(key)
-                if serial is None:
-                    serial = copy
-                elif copy != serial:  # buffers of two copies
-                    return None
-                buffers[s] = buf
-            elif have is not buf:
-                return None
-            if slice_over():
-                yield
-        # One buffer per planned storage, all distinct, and every buffer of that copy here:
-        # one left out may still be in the caller's hands, and a copy not released is never
-        # overwritten.
-        if serial is None or None in buffers or not (yield from iter_distinct(buffers)):
-            return None
-        if self._pool.copy_buffers(serial) != len(buffers):
-            return None
-        return _Spare(fast, staged, tensors, tuple(cast(list[Buffer], buffers)), serial)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Spare:
-    """A released copy kept whole to be refilled by the next stage of its plan.
-
-    ``tensors`` are the tree's tensors in plan order (the copy targets), ``buffers`` its
-    pool buffers in plan storage order.  While kept, they hold the buffers out of the pool.
-    """
-
-    fast: FastPlan
-    tree: Any
-    tensors: list[torch.Tensor]
-    buffers: tuple[Buffer, ...]
-    serial: int
-    as_filled: bool = False
-    """Its tensors are, by identity, those that the last fill of its copy wrote."""
-    off_plan: tuple[int, ...] = ()
-    """Atom slots where the tree holds values other than the plan's (set by a stage)."""
-
-    def storage(self, s: int) -> torch.UntypedStorage:
-        """The buffer of planned storage ``s``."""
-        return self.buffers[s]
-
-
-_BLOCK: Final = 512
-"""Tensors a released copy is checked against its record at a time (~0.2 ms a block;
-2,048 took ~0.8 ms, and a slice could run two)."""
-_tensor_ptr: Final = torch.Tensor.data_ptr
-_untyped_storage: Final = torch.Tensor.untyped_storage
-_nbytes: Final = torch.UntypedStorage.nbytes
-_cdata: Final = operator.attrgetter("_cdata")
-
-
-@dataclasses.dataclass(frozen=True, eq=False, slots=True)
-class _Released:
-    """What a copy that was released and kept looked like, to know it when released again.
-
-    Holds no buffer (a copy dropped instead must come back to the pool): the buffers by
-    their storages' ``_cdata``, in plan storage order.  Those addresses name the buffers
-    only while the pool holds them handed out as that copy, which
-    :meth:`DefaultStager._iter_released_again` checks first (a buffer that came back
-    cannot rejoin a copy): then no other storage can have their address.
-    """
-
-    fast: FastPlan
-    serial: int
-    buffers: tuple[int, ...]
-    nbytes: list[int]
-    tensor_buffers: list[int]
-    """The buffer (``_cdata``) each tensor views, in plan order."""
-    tensors: list[weakref.ref[torch.Tensor]] | None
-    """With ``skip_unchanged``, the tensors themselves, weakly (a copy dropped instead must
-    come back): a full refill needs the buffers right, not the tensor objects."""
-
-    @classmethod
-    def iter_of(cls, spare: _Spare, weak: bool) -> Steps[_Released]:
-        """The record of ``spare``, made a block at a time (``weak``: with its tensors)."""
-        keys: list[int] = []
-        nbytes: list[int] = []
-        for start in range(0, len(spare.buffers), _BLOCK):
-            block = spare.buffers[start : start + _BLOCK]
-            keys += map(_cdata, block)
-            nbytes += map(_nbytes, block)
-            if slice_over():
-                yield
-        of = spare.fast.storage_of
-        tensor_buffers: list[int] = []
-        refs: list[weakref.ref[torch.Tensor]] | None = [] if weak else None
-        for start in range(0, len(of), _BLOCK):
-            tensor_buffers += map(keys.__getitem__, of[start : start + _BLOCK])
-            if refs is not None:
-                refs += map(weakref.ref, spare.tensors[start : start + _BLOCK])
-            if slice_over():
-                yield
-        return cls(spare.fast, spare.serial, tuple(keys), nbytes, tensor_buffers, refs)
-
-
-_VERSION: Final = operator.attrgetter("_version")
-
-_Patches = tuple[AtomSlots, Sequence[tuple[int, Any]]]
-"""A plan's atom slots and the changed scalars to put into a staged tree (``set_atoms``)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Seen:
-    """The version counter and data address of each source tensor, in plan order."""
-
-    versions: list[int]
-    data_ptrs: list[int]
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Filled:
-    """What the last stage copied into the copy ``serial`` (``skip_unchanged``): the
-    sources as ``seen`` before that copy, and its staged tensors' counters after it.
-
-    A copy's tensors are known by identity, never by counter values alone (a tensor
-    swapped into the copy has a counter of its own, whose value proves nothing): a new
-    copy's by ``staged``, held weakly (a copy its holder drops must come back to the
-    pool), a refilled one's by its :class:`_Released` record, as holding 20,000 weak
-    references a stage cost ~10 ms of the refill's ~70.
-    """
-
-    serial: int
-    seen: _Seen
-    staged: list[weakref.ref[torch.Tensor]] | None
-    """The new copy's tensors (``None`` after a refill: the kept copy's)."""
-    staged_versions: list[int]
-
-
-def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Each tensor's version counter, 0 ("never trusted") for an inference tensor, which
-    has none (``_version`` raises on one)."""
-    try:
-        return list(map(_VERSION, tensors))
-    except RuntimeError:
-        return [0 if t.is_inference() else t._version for t in tensors]
-
-
-_deref: Final = operator.methodcaller("__call__")
-
-
-def _empty(t: torch.Tensor) -> None:
-    """Point a staged tensor, and the tensor it is a view of, at no storage (``set_()``).
-
-    A staged conj or neg tensor is a view (:func:`~astage._staging.rebuild.make_tensor`), and its
-    ``_base`` holds the buffer too: emptied alone, it left that buffer pinned for as long as
-    the tree lived, and a stage waiting for room under the cap waited for ever.
-    """
-    base = t._base
-    t.set_()  # type: ignore[call-overload]
-    if base is not None:
-        base.set_()  # type: ignore[call-overload]
-
-
-def _iter_empty(tensors: list[torch.Tensor]) -> Steps[None]:
-    """Empty each tensor (:func:`_empty`), in time slices; the list is emptied too, so that
-    no reference to the tensors is left behind in it."""
-    tensors.reverse()
-    while tensors:
-        _empty(tensors.pop())
-        if slice_over():
-            yield
-
-
-def _iter_as_matched(
-    fast: FastPlan | None, plan: StagePlan, rebuilt: list[torch.Tensor], locals_: list[torch.Tensor]
-) -> Steps[list[torch.Tensor]]:
-    """A new copy's tensors as a re-check of it returns them (``iter_match``): the rebuilt
-    tensors, but a DTensor's local tensor, which is what its staged storage is known by."""
-    if fast is None or fast.plan is not plan or fast.dtensors is None:
-        return rebuilt
-    out = list(rebuilt)
-    positions = fast.dtensors.positions
-    for start in range(0, len(positions), _BLOCK):
-        for p in positions[start : start + _BLOCK]:
-            out[p] = locals_[p]
-        if slice_over():
-            yield
-    return out
 
 
 def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
