@@ -68,7 +68,7 @@ import torch
 
 from .._staging.plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
 from .._staging.rebuild import rebuild
-from .._util.collector import promote, without_gc
+from .._util.collector import without_gc
 from .._util.errors import ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError
 from .._util.limits import CHUNK_BYTES
 from .._util.limits import INT64 as _INT64
@@ -469,9 +469,8 @@ def iter_lay_out(
     holder_rank: int | None = None,
     created: float | None = None,
 ) -> Steps[FileLayout]:
-    """:func:`lay_out` in time slices (:mod:`astage._util.timeslice`); run it with the collector
-    paused throughout (:func:`astage._util.collector.gc_paused`): it makes a Python object or more a
-    tensor, which live until it returns."""
+    """:func:`lay_out` in time slices (:mod:`astage._util.timeslice`, each with the collector
+    paused)."""
     created = float(time.time() if created is None else created)
     _check_meta(owner_rank, holder_rank, step, checkpoint_id, created)
     planner = _FilePlanner()
@@ -819,7 +818,6 @@ def parse_checked(prefix: CheckedPrefix) -> tuple[FileHeader, int]:
     parser = _HeaderParser(prefix.total, prefix.version, prefix.budget, prefix.tables)
     header = parser.parse(doc)
     del doc
-    promote(len(header.plan.tensors))  # its plan lives as long as the header (astage._util.collector)
     return header, prefix.budget - parser.budget
 
 
@@ -1043,7 +1041,6 @@ def decode(header: FileHeader, body: torch.Tensor) -> Any:
     starts = (header.segments.offsets + base).tolist()
     ends = (header.segments.offsets + header.segments.nbytes + base).tolist()
     storages = list(map(whole.__getitem__, map(slice, starts, ends)))
-    promote(len(storages))  # the tree lives on, as a replica or a restored state (astage._util.collector)
     try:
         return rebuild(header.plan, storages)
     except RuntimeError as exc:  # pragma: no cover - the header checks should make this unreachable

@@ -50,7 +50,6 @@ import torch
 from .._staging.plan import iter_plan
 from .._staging.rebuild import plain_tensor_mode
 from .._staging.recheck import FastPlan, iter_fast_plan, iter_match
-from .._util.collector import gc_paused, promote
 from .._util.limits import INT64, RANK_LIMIT
 from .._util.timeslice import Steps, drive, run_steps, slice_over, within
 from .codec import HEADER_CAP, FileLayout, iter_lay_out
@@ -248,8 +247,7 @@ class LayoutCache:
         first save's heartbeat lagged 5-7 ms through its ~120 ms layout of 20,000 tensors.
         """
         steps = iter_lay_out(staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id)
-        with gc_paused():  # what it makes lives until it returns (see iter_lay_out)
-            return await run_steps(within(plain_tensor_mode, steps))
+        return await run_steps(within(plain_tensor_mode, steps))
 
     async def finish(
         self,
@@ -286,9 +284,7 @@ class LayoutCache:
         try:
             if not _fits_every_save(layout):
                 return
-            with gc_paused():  # the plan lives as long as the layout (astage._util.collector)
-                promote(layout.num_tensors)
-                kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
+            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
             return
@@ -318,13 +314,10 @@ class LayoutCache:
             steps = iter_lay_out(
                 staged, owner_rank=self._rank, step=made.step, checkpoint_id=made.checkpoint_id
             )
-            with gc_paused():
-                layout = drive(within(plain_tensor_mode, steps), between)
+            layout = drive(within(plain_tensor_mode, steps), between)
         try:
             if _fits_every_save(layout):
-                with gc_paused():
-                    promote(layout.num_tensors)
-                    kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy)), between)
+                kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy)), between)
                 if kept is not None:
                     self._kept = kept
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full

@@ -45,7 +45,6 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from .._util.collector import gc_paused, promote
 from .._util.errors import ClosedError, EventLoopError, UnsupportedInputError
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, clock, drive, run_steps, slice_over, within
@@ -381,14 +380,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
         plan first, whose buffers may be needed under the memory cap."""
         await self._forget_plan()
-        # Everything planning makes lives as long as the plan: made in one collector pause
-        # and promoted at its end (astage._util.collector), as is the new copy in _stage_new.
-        with gc_paused():
-            planning = iter_plan(state_dict, strict=self._strict)
-            source: PlannedSource = await self._run(planning, makes_tensors=False)
-            promote(len(source.plan.tensors))
-            layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
-            fast = await self._run(iter_fast_plan(source), makes_tensors=False)
+        planning = iter_plan(state_dict, strict=self._strict)
+        source: PlannedSource = await self._run(planning, makes_tensors=False)
+        layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
+        fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._reuse.adopt(fast, layout, source.storages)
         return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 
@@ -407,16 +402,12 @@ class DefaultStager(anyio.abc.AsyncResource):
         if self._resolved.async_copy and self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._threads)
         # The collector runs while this waits for buffers: a copy that only a reference cycle
-        # keeps comes back once collected.  A first stage's new copy is then made in one pause
-        # and promoted, like its plan.
+        # keeps comes back once collected.
         try:
             lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
         except ClosedError as exc:
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
-        with gc_paused() if first else contextlib.nullcontext():
-            if first:
-                promote(len(plan.tensors))
-            return await self._fill_new(plan, layout, sources, lease, started, patches, planned=first)
+        return await self._fill_new(plan, layout, sources, lease, started, patches, planned=first)
 
     async def _fill_new(
         self,

@@ -1,26 +1,28 @@
-"""The one owner of pausing the cyclic garbage collector.
+"""The one owner of pausing the cyclic garbage collector, inside astage's own work only.
 
 Walking, planning, encoding or parsing a state_dict of tens of thousands of tensors makes
-hundreds of thousands of small objects that all survive the call.  Every 700 of them
-trigger a collection that walks the young objects, and the older generations are walked
-again and again as they grow: measured at 2-3x the work itself.  Such work runs inside
-:func:`gc_paused`.  Nothing astage runs there makes reference cycles; whatever the program
-makes meanwhile is collected once the outermost pause ends.
+hundreds of thousands of small objects.  A young collection every 700 of them, walking
+what is young, cost 2-3x the work itself when it ran inside such a walk.  So each time
+slice of that work (:func:`astage._slices.drive`, ``run_steps``) and each CPU-bound call
+a worker thread runs for astage (``encode``, ``parse_prefix``, ``decode``) runs inside
+:func:`gc_paused`: a slice lasts ~0.5 ms, a worker's call tens of milliseconds.  No pause
+spans an ``await``, so the program's own tasks never run in one on the loop thread.
 
-Pauses nest and may overlap across threads (a worker encoding a header while the loop
-thread plans): the collector is re-enabled when the last pause ends, and only if it was
-enabled when the first began, so a program that disabled it itself keeps it disabled.
+What astage leaves to the program's heap.  Nothing here moves, ages, freezes or collects
+an object: what a first stage keeps (about four tracked objects a tensor: ~80,000 for
+20,000 tensors) ages through the generations like any object the program makes, and, as
+any program that makes that many, may make one full collection due, once per structure
+(a first stage, or a stage after the structure changed; steady stages make almost no
+objects).  A program that wants its long-lived heap out of every collection can say so
+itself: ``gc.freeze()`` after its first checkpoint (see ``docs/performance.md``).
 
-Promotion.  The first stage of 20,000 tensors leaves ~100,000 tracked objects behind (the
-staged tensors and their storages, the plan; the source storages' Python objects, which
-torch keeps once made).  Survivors of young collections count toward CPython's trigger for
-a full collection (more than a quarter of the old generation's size), and a full pass
-walks the whole heap on whichever thread allocates: 100-350 ms on the event loop with
-torch loaded, which no slicing can split.  So such work runs inside one pause and asks
-for :func:`promote` at its end: every object still young then moves straight into the
-oldest generation (``gc.freeze()`` then ``gc.unfreeze()``: two list splices, no walk),
-which is not counted toward that trigger.  The cost, documented: cyclic garbage the
-program made during that pause is collected at the next full pass, not the next young one.
+The collector's state is the program's.  Pauses nest and may overlap across threads (a
+worker encoding a header while the loop thread plans): the first to begin records whether
+the collector is enabled and disables it; the last to end enables it again only if it
+was enabled then.  A program that disabled the collector keeps it disabled; one that
+enables it during a pause (from another thread) keeps it enabled.  One that disables it
+from another thread while a pause is on finds it enabled again when the pause ends (CPython
+cannot tell that call from the pause's own); the window is a slice or a worker's call.
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ _R = TypeVar("_R")
 _lock = threading.Lock()
 _pauses = 0
 _was_enabled = False
-_promote = False
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector for the ``with`` block (nesting and threads allowed)."""
-    global _pauses, _was_enabled, _promote
+    """Pause the cyclic collector for the ``with`` block (nesting and threads allowed);
+    the block must not ``await``: the pause is the process's, and only astage's work may
+    run inside it."""
+    global _pauses, _was_enabled
     with _lock:
         if _pauses == 0:
             _was_enabled = gc.isenabled()
@@ -55,27 +58,8 @@ def gc_paused() -> Iterator[None]:
     finally:
         with _lock:
             _pauses -= 1
-            if _pauses == 0:
-                if _promote and _was_enabled:
-                    gc.freeze()  # every tracked object into the permanent generation,
-                    gc.unfreeze()  # and back into the oldest: nothing walked, nothing counted
-                _promote = False
-                if _was_enabled:
-                    gc.enable()
-
-
-PROMOTE_AT = 1_000
-"""Tensors from which the objects a plan leaves behind are worth promoting."""
-
-
-def promote(tensors: int) -> None:
-    """Move what is young into the oldest generation when the outermost pause ends, if
-    the work inside :func:`gc_paused` left objects behind for ``tensors`` tensors, at
-    least :data:`PROMOTE_AT` (see the module's docstring); outside a pause, nothing."""
-    global _promote
-    with _lock:
-        if _pauses and tensors >= PROMOTE_AT:
-            _promote = True
+            if _pauses == 0 and _was_enabled:
+                gc.enable()
 
 
 def without_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
