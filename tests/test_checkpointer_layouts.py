@@ -367,20 +367,17 @@ async def test_a_refilled_copy_changed_after_its_release_is_laid_out_in_full(
         assert "changed after its release" in caplog.text
 
 
-async def test_keeping_a_layout_of_many_tensors_runs_no_collection_and_promotes_its_plan() -> None:
-    # The kept plan lives as long as the layout: made in one collector pause and promoted
-    # unwalked, like a stager's first stage (astage._util.collector), so no full pass lands on the loop.
+async def test_keeping_a_layout_of_many_tensors_runs_no_full_pass() -> None:
+    # The kept plan lives as long as the layout: made in slices, each with the collector
+    # paused; 2,000 tensors' worth of survivors make no full pass due (astage._util.collector).
     staged = {f"m{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
     cache = LayoutCache(rank=0)
     layout = await cache.lay_out(staged, step=1, checkpoint_id=ID)
     assert isinstance(layout, FileLayout)
     with collections_started() as collections:
         await cache.keep(staged, layout)
-        after = gc.get_count()[0]
-    assert collections == []
-    assert after < 50
+    assert 2 not in collections
     assert cache._kept is not None
-    assert any(o is cache._kept.fast for o in gc.get_objects(generation=2))
 
 
 async def test_saves_whose_scalars_change_restore_each_save_s_own_scalars(tmp_path: Path) -> None:

@@ -588,27 +588,22 @@ async def test_a_first_stage_keeps_few_objects_per_tensor_for_the_collector() ->
         gc.collect()
         before = len(gc.get_objects())
         await stager.release(await stager.stage(sd))  # kept whole, with its plan
-        for _ in range(2):  # a first stage's objects are promoted unwalked (astage._util.collector): a
-            gc.collect()  # pass untracks the tuples of atoms, the next the tuples of those
+        for _ in range(2):  # a pass untracks the tuples of atoms, the next the tuples of those
+            gc.collect()
         assert len(gc.get_objects()) - before <= 4.5 * n  # 8 a tensor before this was fixed
 
 
-async def test_a_first_stage_runs_no_full_pass_and_leaves_its_objects_in_the_oldest_generation() -> None:
-    # Survivors of young collections count toward CPython's full-collection trigger, and a
-    # full pass over a heap with torch loaded holds the loop 100-350 ms.  So a
-    # first stage plans, and fills its copy, in collector pauses, and moves what it made
-    # straight into the oldest generation, walking nothing.
+async def test_a_first_stage_of_a_few_thousand_tensors_runs_no_full_pass() -> None:
+    # A full pass over a heap with torch loaded holds the loop 100-350 ms.  A first stage of
+    # 2,000 tensors keeps ~4 tracked objects a tensor, far below CPython's full-pass trigger
+    # (survivors over a quarter of the old generation); a larger one may make a pass due
+    # once per structure, as any program making that many objects does (astage._util.collector).
     sd = {f"l{i}": {f"w{j}": torch.randn(4) for j in range(50)} for i in range(40)}  # 2,000
     async with DefaultStager() as stager:
         with collections_started() as collections:
             staged = await stager.stage(sd)
             assert gc.isenabled()
-            after = gc.get_count()[0]
-        # Young collections may run while it waits for buffers, over what is young then.
         assert 2 not in collections, "no full collection"
-        assert after < 50, "the young generation was emptied into the oldest"
-        kept = {id(t) for t in tensors_of(staged)}
-        assert len(kept & {id(o) for o in gc.get_objects(generation=2)}) == len(kept)
         await stager.release(staged)
 
 
@@ -789,7 +784,9 @@ async def test_a_first_stage_of_an_optimizer_s_many_small_dicts_leaves_the_loop_
     # Planning, checking that the plan can be re-checked, leasing and handing out buffers:
     # every per-container and per-buffer walk of a first stage is sliced.  Measured on
     # 4,000 two-tensor dicts: the eligibility walk alone held the loop ~25 ms, handing
-    # out the buffers ~4 ms; now no hold reaches 5 ms of the loop thread's CPU.
+    # out the buffers ~4 ms; now no hold reaches 5 ms of the loop thread's CPU.  The
+    # collector's full pass that 12,000 tensors' new objects may make due is the program's
+    # to schedule (astage._util.collector; docs/performance.md): this program keeps it off meanwhile.
     sd = {
         "model": {f"w{i}": torch.randn(4) for i in range(4_000)},
         "optim": {i: {"exp_avg": torch.randn(4), "exp_avg_sq": torch.randn(4)} for i in range(4_000)},
@@ -801,7 +798,11 @@ async def test_a_first_stage_of_an_optimizer_s_many_small_dicts_leaves_the_loop_
         async def stage() -> None:
             staged.append(await stager.stage(sd))
 
-        beats = await heartbeat_gaps(stage)
+        gc.disable()
+        try:
+            beats = await heartbeat_gaps(stage)
+        finally:
+            gc.enable()
         assert_faithful(staged[0], sd)
     assert max(beats.busy) < 0.015, sorted(beats.busy)[-3:]
 
