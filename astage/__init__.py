@@ -13,10 +13,10 @@ from ._checkpointer.interfaces import ReplicaSource as ReplicaSource
 from ._checkpointer.interfaces import Replicator as Replicator
 from ._checkpointer.interfaces import SaveEvent as SaveEvent
 from ._checkpointer.interfaces import SaveStats as SaveStats
-from ._replication.stager import ReplicationPhase as ReplicationPhase
-from ._replication.stager import ReplicationResult as ReplicationResult
+from ._replication.records import ReplicationPhase as ReplicationPhase
+from ._replication.records import ReplicationResult as ReplicationResult
+from ._replication.records import ReplicationStats as ReplicationStats
 from ._replication.stager import ReplicationStager as ReplicationStager
-from ._replication.stager import ReplicationStats as ReplicationStats
 from ._staging.events import wait_event as wait_event
 from ._staging.options import StagingOptions as StagingOptions
 from ._staging.pool import PoolStats as PoolStats

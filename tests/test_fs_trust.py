@@ -36,7 +36,7 @@ import astage
 from astage._files.durable import CheckpointFileWriter, replica_path, write_checkpoint_file
 from astage._files.markers import FileEntry, Marker, marker_crc32c, parse_marker
 from astage._format.codec import encode
-from astage._replication.stager import _read_replica_file
+from astage._replication.replicas import read_replica_file as _read_replica_file
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop, until  # noqa: F401 - autouse fixture
 

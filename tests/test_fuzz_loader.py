@@ -74,7 +74,7 @@ from astage._format.codec import (
     encode,
     parse_prefix,
 )
-from astage._replication.stager import _read_replica_file
+from astage._replication.replicas import read_replica_file as _read_replica_file
 from tests.statedicts import ALL_DTYPES, random_tensor, tensors_of
 
 EXAMPLES = int(os.environ.get("ASTAGE_FUZZ_EXAMPLES", "300"))

@@ -57,8 +57,9 @@ from .._files.durable import (
 from .._files.markers import FileEntry, Marker, header_check, storages_crc32c
 from .._files.steps import StepStore
 from .._format.codec import BodyVerifier, FileHeader, parse_prefix
+from .._replication.records import GroupSession, time_left
 from .._replication.sink import StreamingSink
-from .._replication.stager import GroupSession, ReplicationStager, time_left
+from .._replication.stager import ReplicationStager
 from .._staging.pool import BufferPool
 from .._staging.rebuild import rebuild
 from .._util.errors import (

@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import os
-import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -48,9 +46,7 @@ import torch.distributed as dist
 
 from .. import _transport
 from .._files.durable import (
-    CheckpointFile,
     blocking_io,
-    inspect_checkpoint_file,
     make_dirs_durable,
     replica_path,
     sweep_stale_temps,
@@ -59,10 +55,8 @@ from .._format.codec import (
     Encoded,
     FileHeader,
     FileLayout,
-    byte_view,
     decode,
     parse_prefix,
-    verify_body,
 )
 from .._format.header_cache import HeaderCache
 from .._format.layouts import LayoutCache
@@ -83,6 +77,15 @@ from .._util.errors import describe as _describe
 from .._util.limits import INT64
 from .._util.threads import run_sync
 from .._util.validate import check_int, check_path, check_seconds
+from .records import (
+    GroupSession,
+    ReplicationPhase,
+    ReplicationResult,
+    ReplicationStats,
+    received_result,
+    time_left,
+)
+from .replicas import held_replica_paths, read_replica_file
 from .sink import BlockingSink, StreamingSink, unlink_if_present
 
 if TYPE_CHECKING:
@@ -96,78 +99,6 @@ _MAX_BYTES = INT64 - 1
 """Sizes (and steps) travel as int64."""
 
 
-class ReplicationPhase(enum.Enum):
-    """How far one exchange got; it decides whether a failure breaks the process group."""
-
-    STAGED = "staged"
-    """Nothing posted yet: a failure leaves the group as it was."""
-    POSTED = "posted"
-    """Messages are on the wire: a failure breaks the group (the transport breaks it)."""
-    EXCHANGED = "exchanged"
-    """Both directions complete: a local failure is told to the peer in the acknowledgement;
-    failing to tell it (or being cancelled first) leaves the peer out of step."""
-    ACKNOWLEDGED = "acknowledged"
-    """Both sides agreed on the outcome (success or a reported failure): the group is fine."""
-
-    @property
-    def failure_breaks_group(self) -> bool:
-        """Whether a failure in this phase leaves the ranks out of step."""
-        return self in (ReplicationPhase.POSTED, ReplicationPhase.EXCHANGED)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicationStats:
-    """What one ``replicate()`` did, by phase (seconds) and volume (bytes)."""
-
-    stage: StageStats | None
-    encode_seconds: float
-    exchange: _transport.ExchangeStats
-    persist_seconds: float
-    ack_seconds: float
-    seconds: float
-
-    @property
-    def bytes_sent(self) -> int:
-        """Replica bytes sent to the peer."""
-        return self.exchange.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        """Replica bytes received from the peer."""
-        return self.exchange.bytes_received
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicationResult:
-    """The outcome of one ``replicate()``.
-
-    :ivar staged: this rank's own staged copy (release it with the stager when done).
-    :ivar replica_path: where the peer's replica now lies, durable.
-    :ivar replica_header: the validated header of the received replica.
-    :ivar send_to: the rank (group rank space) that holds our replica.
-    :ivar recv_from: the rank whose replica we hold.
-    """
-
-    staged: Any
-    replica_path: Path
-    replica_header: FileHeader
-    send_to: int
-    recv_from: int
-    stats: ReplicationStats
-    # The received bytes, set by ``_with_body``: off the constructor, which users read.
-    _body: torch.Tensor = dataclasses.field(init=False, repr=False)
-
-    @functools.cached_property
-    def replica(self) -> Any:
-        """The peer's state_dict, rebuilt over the received bytes (verified; CPU)."""
-        return decode(self.replica_header, self._body)
-
-    def _with_body(self, body: torch.Tensor) -> ReplicationResult:
-        """This result, holding the received replica's bytes for :attr:`replica`."""
-        object.__setattr__(self, "_body", body)  # frozen: set once, by its maker
-        return self
-
-
 def _check_call(step: object, checkpoint_id: object) -> None:
     # Checked before staging; the format checks the rest (the id's length) while encoding.
     check_int("step", step, lo=-(_MAX_BYTES + 1), hi=_MAX_BYTES)
@@ -177,25 +108,25 @@ def _check_call(step: object, checkpoint_id: object) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupSession:
-    """What a collective operation uses of a :class:`ReplicationStager` while it holds the
-    group (:meth:`ReplicationStager.collective`): the ring, the deadline's length, the pool
-    received copies land in, and the one path to the wire."""
-
-    rank: int
-    world_size: int
-    send_to: int
-    recv_from: int
-    timeout: float
-    process_group: Any
-    inbox: BufferPool
-    transfer: Callable[..., Awaitable[_transport.Received | None]]
-    held_replicas: Callable[[], dict[int, Path]]
-
-
-def time_left(deadline: float) -> float:
-    return max(deadline - time.perf_counter(), 1e-3)
+def _check_choices(
+    peer_offset: object, stager: object, options: object, process_group: object, keep: object
+) -> None:
+    """The constructor's checks of the arguments that pick among alternatives."""
+    if peer_offset is not None and type(peer_offset) is not int:
+        raise ConfigurationError(f"peer_offset must be an int or None, got {peer_offset!r}")
+    if stager is not None and not isinstance(stager, DefaultStager):
+        raise ConfigurationError(
+            f"stager must be an astage DefaultStager (or a subclass), got {type(stager).__qualname__}"
+        )
+    if stager is not None and options is not None:
+        raise ConfigurationError("pass options or stager, not both: options configure the default stager")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise ConfigurationError(
+            "process_group must be a torch.distributed.ProcessGroup or None, "
+            f"got {type(process_group).__qualname__}"
+        )
+    if keep is not None and (type(keep) is not int or keep < 1):
+        raise ConfigurationError(f"keep must be an int >= 1 or None, got {keep!r}")
 
 
 class ReplicationStager(anyio.abc.AsyncResource):
@@ -258,22 +189,8 @@ class ReplicationStager(anyio.abc.AsyncResource):
         self.chunk_bytes = check_int(
             "chunk_bytes", chunk_bytes, lo=_transport.MIN_CHUNK_BYTES, hi=_transport.MAX_CHUNK_BYTES
         )
-        if peer_offset is not None and type(peer_offset) is not int:
-            raise ConfigurationError(f"peer_offset must be an int or None, got {peer_offset!r}")
-        if stager is not None and not isinstance(stager, DefaultStager):
-            raise ConfigurationError(
-                f"stager must be an astage DefaultStager (or a subclass), got {type(stager).__qualname__}"
-            )
-        if stager is not None and options is not None:
-            raise ConfigurationError("pass options or stager, not both: options configure the default stager")
+        _check_choices(peer_offset, stager, options, process_group, keep)
         resolved_options = coerce_options(options)
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ConfigurationError(
-                "process_group must be a torch.distributed.ProcessGroup or None, "
-                f"got {type(process_group).__qualname__}"
-            )
-        if keep is not None and (type(keep) is not int or keep < 1):
-            raise ConfigurationError(f"keep must be an int >= 1 or None, got {keep!r}")
         self.keep = keep
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigurationError("ReplicationStager needs an initialised torch.distributed process group")
@@ -598,8 +515,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
             path,
             stats.seconds,
         )
-        result = ReplicationResult(staged, path, header, self.send_to, self.recv_from, stats)
-        return result._with_body(received.body)
+        return received_result(staged, path, header, self.send_to, self.recv_from, stats, received.body)
 
     async def _encode(
         self, staged: Any, step: int, ckpt: str, shared: Encoded | None, stats: StageStats | None
@@ -765,7 +681,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         async with self._lock:
             steps = await blocking_io(self.held_replicas)
             held = steps[max(steps)] if steps else self.storage_dir / "none"
-            found = await blocking_io(_read_replica_file, held)
+            found = await blocking_io(read_replica_file, held)
             prefix, segments, nbytes = (
                 (found[0], ((0, found[1]),), found[1].numel()) if found else (b"", (), 0)
             )
@@ -846,55 +762,3 @@ class ReplicationStager(anyio.abc.AsyncResource):
             self._phase = ReplicationPhase.ACKNOWLEDGED
             raise
         self._phase = ReplicationPhase.ACKNOWLEDGED
-
-
-def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) -> dict[int, Path]:
-    """Replica files of ``owner_rank`` kept by ``holder_rank`` in ``storage_dir``, by step (blocking).
-
-    Step-named files by their name; the single file kept without ``keep`` by its header's
-    step (skipped when its prefix is invalid).
-    """
-    prefix = replica_path(storage_dir, owner_rank=owner_rank, holder_rank=holder_rank).name[: -len(".astage")]
-    pattern = re.compile(re.escape(prefix) + r"-step([0-9]{10,19})\.astage\Z")
-    found: dict[int, Path] = {}
-    try:
-        with os.scandir(storage_dir) as listing:
-            entries = [e for e in listing if e.is_file(follow_symlinks=False)]
-    except FileNotFoundError:
-        return found
-    for entry in entries:
-        match = pattern.match(entry.name)
-        if match is not None:
-            found[int(match.group(1))] = Path(entry.path)
-        elif entry.name == prefix + ".astage":
-            try:
-                found.setdefault(inspect_checkpoint_file(entry.path).step, Path(entry.path))
-            except (OSError, IntegrityError) as exc:
-                log.warning("ignoring the held replica %s: %s", entry.path, exc)
-    return found
-
-
-def _read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
-    """A held replica's prefix and body, verified; ``None`` if missing or invalid.
-
-    Opened like every replica astage reads (:class:`astage._files.durable.CheckpointFile`): a link
-    or a FIFO planted under the replica's name is refused, never followed or waited on.
-    """
-    try:
-        f = CheckpointFile(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, IntegrityError) as exc:
-        log.warning("not sending the replica at %s back: %s", path, exc)
-        return None
-    try:
-        header, _ = f.header()
-        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
-        f.read_into(byte_view(body), header.prefix_nbytes)
-        verify_body(header, body)
-    except (OSError, IntegrityError) as exc:
-        log.warning("not sending the replica at %s back: %s", path, exc)
-        return None
-    finally:
-        f.close()
-    return f.prefix, body
