@@ -258,52 +258,63 @@ class Persister:
         del layout
         assert encoded is not None
         replication = self._blocking_replication
+        box = [encoded]  # the one reference: it views the staged buffers, which go back
+        del encoded
         if replication is None:
-            try:
-                entry = self._write_blocking(job, encoded, begin, post)
-            finally:
-                encoded = None  # it views the staged buffers, which go back to the stager
+            entry = self._write_blocking(job, box.pop(), begin, post)
             self._wait_turn(job)  # commit in save order
         else:
-            # The local write on a helper thread while this one replicates, in save order.
-            failures: dict[str, Exception] = {}
-            written: list[FileEntry] = []
-
-            def write_local(box: list[Encoded]) -> None:
-                try:
-                    written.append(self._write_blocking(job, box.pop(), begin, post))
-                except Exception as exc:
-                    drop_frames(exc)
-                    failures["local"] = exc
-
-            writer = threading.Thread(
-                target=write_local, args=([encoded],), name=f"astage write step {job.step}", daemon=True
-            )
-            writer.start()
-            try:
-                self._wait_turn(job)  # replicate (and commit) in save order
-                self._check(job)
-                replicate_begin = time.perf_counter()
-                try:
-                    replication.replicate_blocking(
-                        step=job.step, checkpoint_id=job.checkpoint_id, encoded=encoded
-                    )
-                except Exception as exc:
-                    drop_frames(exc)
-                    failures["replication"] = exc
-                else:
-                    job.replicate_seconds = time.perf_counter() - replicate_begin
-                    post(functools.partial(self._emit, "replicated", job))
-            finally:
-                encoded = None
-                writer.join()
-            if "local" in failures and "replication" in failures:
-                log.error("replicating step %d failed as well: %s", job.step, failures["replication"])
-            if failures:
-                raise failures.get("local") or failures["replication"]
-            entry = written[0]
+            entry = self._write_and_replicate_blocking(job, box, begin, post, replication)
         self._check(job)
         job.marker = self._commit_blocking(job, entry)
+
+    def _write_and_replicate_blocking(
+        self,
+        job: Job,
+        box: list[Encoded],
+        begin: float,
+        post: Callable[[Callable[[], object]], None],
+        replication: ReplicationStager,
+    ) -> FileEntry:
+        """Write the local file on a helper thread while this one replicates, in save order."""
+        encoded: Encoded | None = box.pop()
+        failures: dict[str, Exception] = {}
+        written: list[FileEntry] = []
+
+        def write_local(box: list[Encoded]) -> None:
+            try:
+                written.append(self._write_blocking(job, box.pop(), begin, post))
+            except Exception as exc:
+                drop_frames(exc)
+                failures["local"] = exc
+
+        writer = threading.Thread(
+            target=write_local, args=([encoded],), name=f"astage write step {job.step}", daemon=True
+        )
+        writer.start()
+        try:
+            self._wait_turn(job)  # replicate (and commit) in save order
+            self._check(job)
+            replicate_begin = time.perf_counter()
+            try:
+                assert encoded is not None
+                replication.replicate_blocking(
+                    step=job.step, checkpoint_id=job.checkpoint_id, encoded=encoded
+                )
+            except Exception as exc:
+                drop_frames(exc)
+                failures["replication"] = exc
+            else:
+                job.replicate_seconds = time.perf_counter() - replicate_begin
+                post(functools.partial(self._emit, "replicated", job))
+        finally:
+            encoded = None
+            writer.join()
+        if "local" in failures and "replication" in failures:
+            log.error("replicating step %d failed as well: %s", job.step, failures["replication"])
+        if failures:
+            raise failures.get("local") or failures["replication"]
+        return written[0]
 
     def interrupt_replication(self) -> None:
         """Break a worker thread's replication exchange in flight (blocking, ~1 ms)."""

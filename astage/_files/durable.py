@@ -604,14 +604,7 @@ def write_checkpoint_file_blocking(
     try:
         dir_fd, fd = _create_temp(opener, temp.name)
         step = "write"
-        written = 0
-        for batch in _batches(buffers, chunk_nbytes):
-            if check is not None:
-                check()
-            written += _write_all(fd, batch, written)
-            del batch  # views of the caller's buffers
-        if check is not None:
-            check()
+        written = _write_checked(fd, buffers, chunk_nbytes, check)
         step = "fsync"
         os.fsync(fd)
         step = "close"
@@ -634,13 +627,25 @@ def write_checkpoint_file_blocking(
     os.close(dir_fd)
     seconds = time.perf_counter() - started
     log.debug(
-        "wrote %s: %d bytes in %.4fs (%.2f GB/s)",
-        path,
-        written,
-        seconds,
-        written / seconds / 1e9 if seconds > 0 else 0.0,
+        "wrote %s: %d bytes in %.4fs (%.2f GB/s)", path, written, seconds, written / max(seconds, 1e-9) / 1e9
     )
     return path
+
+
+def _write_checked(
+    fd: int, buffers: BytesLike | Iterable[BytesLike], chunk_nbytes: int, check: Callable[[], None] | None
+) -> int:
+    """Write ``buffers`` to ``fd`` from offset 0, calling ``check`` before every batch and
+    once more at the end; the bytes written."""
+    written = 0
+    for batch in _batches(buffers, chunk_nbytes):
+        if check is not None:
+            check()
+        written += _write_all(fd, batch, written)
+        del batch  # views of the caller's buffers
+    if check is not None:
+        check()
+    return written
 
 
 def _entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:

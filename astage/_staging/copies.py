@@ -298,19 +298,26 @@ def iter_batches(
             continue
         c = cover[s]
         d, sr = (dst[c], src[c]) if c is not None else (_bytes(dst_storage(s)), _bytes(src_storage(s)))
-        nbytes = plan.storages[s].nbytes
-        if nbytes > chunk_bytes:
-            d, sr = d.reshape(-1), sr.reshape(-1)
-            step = max(1, chunk_bytes // d.element_size())
-            for i in range(0, d.numel(), step):
-                out.append(([d[i : i + step]], [sr[i : i + step]]))
-                costs.append(min(step, d.numel() - i) * d.element_size() + PAIR_COST_BYTES)
-        else:
-            out.append(([d], [sr]))
-            costs.append(nbytes + PAIR_COST_BYTES)
+        _add_whole_storage(out, costs, d, sr, plan.storages[s].nbytes, chunk_bytes)
         if slice_over():
             yield
     return CopyWork(out, costs)
+
+
+def _add_whole_storage(
+    out: list[Batch], costs: list[int], d: torch.Tensor, sr: torch.Tensor, nbytes: int, chunk_bytes: int
+) -> None:
+    """Batches that copy one storage no planned tensor covers in one pair: whole, or in
+    chunks of ``chunk_bytes`` so that a large one spreads over the copy lanes."""
+    if nbytes <= chunk_bytes:
+        out.append(([d], [sr]))
+        costs.append(nbytes + PAIR_COST_BYTES)
+        return
+    d, sr = d.reshape(-1), sr.reshape(-1)
+    step = max(1, chunk_bytes // d.element_size())
+    for i in range(0, d.numel(), step):
+        out.append(([d[i : i + step]], [sr[i : i + step]]))
+        costs.append(min(step, d.numel() - i) * d.element_size() + PAIR_COST_BYTES)
 
 
 def deal_lanes(work: CopyWork, lanes: int) -> list[list[Batch]]:

@@ -347,13 +347,36 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     slots = _SlotsMade()
     if not (yield from _eligible(plan.root, key_types, runs, slots)):
         return None
-    # The signatures are what tensor_signature() would read from the sources, built from
-    # what the plan recorded of them: no tensor is asked again.
     cdata: list[int] = []
     for start in range(0, len(source.storages), 2048):  # ~0.1 us each: 20,000 held the loop 2 ms
         cdata += map(_cdata, source.storages[start : start + 2048])
         if slice_over():
             yield
+    signatures, meta_signatures = yield from _signatures(source, cdata)
+    nbytes, of, shared = yield from _storage_columns(plan)
+    fast = FastPlan(
+        plan,
+        signatures,
+        key_types,
+        nbytes,
+        runs,
+        shared=shared,
+        atoms=slots.made(),
+        storage_of=of,
+        dtensors=dtensors,
+        meta_signatures=meta_signatures,
+    )
+    yield from _arm_guards(fast, source)
+    return fast
+
+
+def _signatures(
+    source: PlannedSource, cdata: list[int]
+) -> Steps[tuple[tuple[tuple[Any, ...], ...], tuple[tuple[Any, ...], ...] | None]]:
+    """What ``tensor_signature()`` would read of each source, built from what the plan
+    recorded of them (no tensor is asked again); and, where a DTensor's staged local differs
+    from its source local, the signatures a staged copy's tensors have."""
+    plan = source.plan
     storages = plan.storages
     cls = {TensorKind.TENSOR: id(torch.Tensor), TensorKind.PARAMETER: id(torch.nn.Parameter)}
     signatures = []
@@ -391,6 +414,12 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         for p in odd:
             meta[p] = (id(torch.Tensor), *meta[p][1:5], False, *meta[p][6:])
         meta_signatures = tuple(meta)
+    return tuple(signatures), meta_signatures
+
+
+def _storage_columns(plan: StagePlan) -> Steps[tuple[int, list[int], tuple[int, ...]]]:
+    """The plan's bytes, each tensor's storage, and the tensors that share a storage."""
+    storages = plan.storages
     nbytes = 0
     for start in range(0, len(storages), 1024):
         nbytes += sum(s.nbytes for s in storages[start : start + 1024])
@@ -409,18 +438,11 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     shared: tuple[int, ...] = ()
     if len(views) != len(of):
         shared = tuple(itertools.compress(range(len(of)), map((1).__lt__, map(views.__getitem__, of))))
-    fast = FastPlan(
-        plan,
-        tuple(signatures),
-        key_types,
-        nbytes,
-        runs,
-        shared=shared,
-        atoms=slots.made(),
-        storage_of=of,
-        dtensors=dtensors,
-        meta_signatures=meta_signatures,
-    )
+    return nbytes, of, shared
+
+
+def _arm_guards(fast: FastPlan, source: PlannedSource) -> Steps[None]:
+    """Arm the chunk guards of a new ``fast`` plan from the sources it was made of."""
     # The sources are what the plan was made of, so each chunk passes the full check as it
     # stands: its guard is armed now, and the next stage, not the one after, is guarded
     # (the first re-check of small-20k took ~60 ms, the later ones ~30: a full check and
@@ -433,7 +455,6 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
                 _arm(fast.guards, start, chunk, expected, meta_only=False)
             if slice_over():
                 yield
-    return fast
 
 
 _CHUNK = 256

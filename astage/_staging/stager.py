@@ -229,13 +229,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             retain=retain_buffers,
             allocate_inline=not r.async_copy,
         )
-        # One side stream per device: the current device's is made here, on the constructing
-        # thread, after the caller's device setup; another device's when a stage first
-        # copies from it.  New streams, so never a compute stream.
-        self._side_streams: dict[torch.device, Any] = {}
-        if r.non_blocking:
-            side = torch.Stream()
-            self._side_streams[side.device] = side
+        self._side_streams = _side_streams(r.non_blocking)
         self._inflight = 0
         self._idle: anyio.Event | None = None
         self._closed = False
@@ -718,6 +712,16 @@ def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> S
         if slice_over():
             yield
     return out
+
+
+def _side_streams(non_blocking: bool) -> dict[torch.device, Any]:
+    """One side stream per device: the current device's is made here, on the constructing
+    thread, after the caller's device setup; another device's when a stage first copies
+    from it.  New streams, so never a compute stream."""
+    if not non_blocking:
+        return {}
+    side = torch.Stream()
+    return {side.device: side}
 
 
 class BlockingStager(DefaultStager):
