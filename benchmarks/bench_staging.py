@@ -91,6 +91,7 @@ SAVE_BOUND = 1.5
 LAG_P99_MS, LAG_MAX_MS = 2.0, 5.0
 CEILING, TORCH, ASTAGE = "ceiling (copy_)", "torch DefaultStager", "astage"
 INCREMENTAL = "astage skip_unchanged"
+DROPPED = "astage dropped"
 SERIES_METHODS = (ASTAGE, INCREMENTAL, TORCH)
 """Methods whose lag time series (last first stage, last steady stage) the JSON keeps."""
 HEADERS = ["method", "first s", "first GB/s", "x torch", "steady s", "steady GB/s", "x ceiling"]
@@ -164,12 +165,26 @@ class AstageIncremental(Astage):
     extra: ClassVar[dict[str, Any]] = {"skip_unchanged": True}
 
 
+class AstageDropped(Astage):
+    """:class:`Astage` whose caller drops each staged copy instead of releasing it (torch's
+    habit: every reference gone): the copy's buffers come back to the pool on their own and
+    the next stage re-uses them, building a new tree over them (a released copy is refilled
+    in place instead, the same tree returned)."""
+
+    async def release(self, staged: Any) -> None:
+        pass  # dropped: stage_once lets go of its last reference
+
+
 def skip_unchanged_available() -> bool:
     """Whether this astage's ``StagingOptions`` has ``skip_unchanged`` (older versions lack it)."""
     return "skip_unchanged" in {f.name for f in dataclasses.fields(astage.StagingOptions)}
 
 
 SKIP_UNAVAILABLE = "n/a (skip_unchanged not available)"
+
+DROPPED_BOUND = 1.5
+"""A dropped copy's re-use (buffers from the pool, a new tree) against a released copy's
+(refilled in place): both skip planning and allocation; only the tree is built again."""
 
 
 class TorchDefault:
@@ -225,6 +240,7 @@ class TorchBlocking:
 METHODS: dict[str, Callable[[Any], Method]] = {
     CEILING: Ceiling,
     ASTAGE: Astage,
+    DROPPED: AstageDropped,
     TORCH: TorchDefault,
     "torch Blocking": TorchBlocking,
 }
@@ -491,6 +507,9 @@ def report(
         bound = STEADY_BOUND[ours.case]
         targets.append(("astage steady / ceiling steady", ours.steady_x_ceiling, bound, "x"))
     targets.append(("astage first / torch DefaultStager first", ours.first_x_torch, 1.0, "x"))
+    dropped = by_method.get(DROPPED)
+    if dropped is not None:  # both re-use cycles: a copy released, and one dropped
+        targets.append(("astage dropped steady / astage steady", dropped.steady_x_astage, DROPPED_BOUND, "x"))
     if ours.case == "lora":
         incremental = by_method.get(INCREMENTAL)
         targets.append(

@@ -35,8 +35,8 @@ from astage._transport import (
     send,
     send_ack,
 )
-from astage._transport._exchange import _pack
-from astage._transport._protocol import Gather
+from astage._transport.exchange import _pack
+from astage._transport.protocol import Gather
 from astage._util.timeslice import drive
 from tests.distributed import RankResult, kill_self, run_group, stop_self
 from tests.payloads import KINDS, SMALL_CHUNK, body_of, check_received, make_payload, outcome, ring_cases

@@ -94,8 +94,8 @@ def test_gloo_refuses_a_loopback_that_only_nccl_can_do() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_nccl_wire_needs_cuda() -> None:
-    from astage._transport._nccl import NcclWire
-    from astage._transport._wire import Route
+    from astage._transport.nccl import NcclWire
+    from astage._transport.wire import Route
 
     with pytest.raises(astage.ConfigurationError, match="needs CUDA"):
         NcclWire(Route(None, 0, 1, 1, time.monotonic() + 1, anyio.CapacityLimiter(2)))

@@ -293,7 +293,7 @@ def _map_replica(path: Path, owner: int, step: int) -> tuple[bytes, torch.Tensor
         header, st = f.header()
         if header.owner_rank != owner or header.step != step:
             raise IntegrityError(f"{path} holds step {header.step} of rank {header.owner_rank}")
-        prefix = f._pread(header.prefix_nbytes, 0)
+        prefix = f.pread(header.prefix_nbytes, 0)
     finally:
         f.close()
     data = torch.from_file(str(path), shared=False, size=st.st_size, dtype=torch.uint8)

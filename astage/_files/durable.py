@@ -774,7 +774,7 @@ class CheckpointFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def _pread(self, n: int, offset: int) -> bytes:
+    def pread(self, n: int, offset: int) -> bytes:
         data = os.pread(self.fd, n, offset)
         if len(data) != n:
             raise IntegrityError(f"truncated: {len(data)} of {n} bytes at offset {offset}")
@@ -784,10 +784,10 @@ class CheckpointFile:
         """Read and validate the prefix; check the file is exactly prefix plus body."""
         st = os.fstat(self.fd)
         try:
-            total = prefix_nbytes(self._pread(FIXED_PREFIX_NBYTES, 0))
+            total = prefix_nbytes(self.pread(FIXED_PREFIX_NBYTES, 0))
             if total > st.st_size:
                 raise IntegrityError(f"truncated: the prefix is {total} bytes, the file {st.st_size}")
-            self.prefix = self._pread(total, 0)
+            self.prefix = self.pread(total, 0)
             header = parse_prefix(self.prefix)
         except IntegrityError as exc:
             raise IntegrityError(f"{self.path}: {exc}") from exc

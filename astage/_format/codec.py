@@ -66,7 +66,7 @@ import crc32c
 import numpy as np
 import torch
 
-from .._staging.plan import AtomNode, Node, StagePlan, TensorKind, TensorNode, _Planner
+from .._staging.plan import AtomNode, Node, Planner, StagePlan, TensorKind, TensorNode
 from .._staging.rebuild import rebuild
 from .._util.collector import without_gc
 from .._util.errors import ConfigurationError, IntegrityError, KeyPath, UnsupportedInputError
@@ -610,7 +610,7 @@ def encode(staged_state_dict: Any, **meta: Unpack[FileMeta]) -> Encoded:
     return lay_out(staged_state_dict, **meta).encode()
 
 
-class _FilePlanner(_Planner):
+class _FilePlanner(Planner):
     """The planner of :func:`lay_out`: strict, CPU only, numpy arrays and scalars as leaves.
 
     A numpy array becomes a tensor entry of kind ``ndarray`` over its own storage: the

@@ -163,7 +163,7 @@ class StreamingSink:
 
 class BlockingSink:
     """:class:`StreamingSink`'s work on the calling thread, for an exchange that needs no
-    event loop (:mod:`astage._transport._blocking`): each chunk is written and checked as it
+    event loop (:mod:`astage._transport.blocking`): each chunk is written and checked as it
     lands; nothing is renamed into place before the whole body has been verified.
 
     :param body: returns a contiguous CPU ``uint8`` tensor of at least ``nbytes`` to

@@ -64,7 +64,7 @@ from .._staging.options import StagingOptions, coerce_options
 from .._staging.pool import BufferKind, BufferPool, PoolStats
 from .._staging.stager import DefaultStager, StageStats
 from .._staging.torch_api import refuse_torch_caller
-from .._transport import _blocking
+from .._transport import blocking
 from .._util.errors import (
     ClosedError,
     ConfigurationError,
@@ -222,7 +222,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         # The Checkpointer's worker-thread path (replicate_blocking): one call at a time, the
         # link in flight (to break it when the save is abandoned), a body buffer re-used.
         self._thread_lock = threading.Lock()
-        self._live: _blocking.BlockingLink | None = None
+        self._live: blocking.BlockingLink | None = None
         self._thread_body: torch.Tensor | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
 
     def can_replicate_blocking(self) -> bool:
         """Whether :meth:`replicate_blocking` can drive this stager's group (gloo)."""
-        return _blocking.supports(self.process_group)
+        return blocking.supports(self.process_group)
 
     def replicate_blocking(
         self, *, step: int, checkpoint_id: str, encoded: Encoded, started: Callable[[], None] | None = None
@@ -360,12 +360,12 @@ class ReplicationStager(anyio.abc.AsyncResource):
             try:
                 self._exchange_blocking(mine, path, deadline)
                 del mine
-                link = _blocking.BlockingLink(
+                link = blocking.BlockingLink(
                     self.process_group, deadline, send_to=self.recv_from, recv_from=self.send_to
                 )
                 self._live = link
                 try:
-                    _blocking.exchange_ack(link, True)
+                    blocking.exchange_ack(link, True)
                 except PeerReportedError:
                     self._phase = ReplicationPhase.ACKNOWLEDGED
                     raise
@@ -380,7 +380,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
 
     def _exchange_blocking(self, mine: Encoded, path: Path, deadline: float) -> None:
         sink = BlockingSink(path, self.recv_from, self._headers.parse, self._body_buffer)
-        link = _blocking.BlockingLink(
+        link = blocking.BlockingLink(
             self.process_group,
             deadline,
             send_to=self.send_to,
@@ -389,7 +389,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         )
         self._live = link
         try:
-            _blocking.exchange(
+            blocking.exchange(
                 link,
                 _transport.Payload(mine.prefix, mine.segments, mine.body_nbytes),
                 chunk_bytes=self.chunk_bytes,
@@ -413,12 +413,12 @@ class ReplicationStager(anyio.abc.AsyncResource):
 
     def _refuse_blocking(self, exc: Exception, deadline: float) -> None:
         """Tell the peer its replica is not kept (blocking); the caller raises."""
-        link = _blocking.BlockingLink(
+        link = blocking.BlockingLink(
             self.process_group, deadline, send_to=self.recv_from, recv_from=self.send_to
         )
         self._live = link
         try:
-            _blocking.exchange_ack(link, False, f"rank {self.rank} could not keep it: {exc}")
+            blocking.exchange_ack(link, False, f"rank {self.rank} could not keep it: {exc}")
         except PeerReportedError:
             self._phase = ReplicationPhase.ACKNOWLEDGED  # the peer failed too, and said so
         except TransportError as ack_failure:

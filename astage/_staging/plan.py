@@ -319,7 +319,7 @@ def _slot_names(cls: type) -> list[str]:
 
 
 class _Rebuild(enum.Enum):
-    """How the rebuild recreates an object (see :meth:`_Planner.rebuild_of`)."""
+    """How the rebuild recreates an object (see :meth:`Planner.rebuild_of`)."""
 
     ATTRIBUTES = "cls.__new__(cls), then its attributes"
     BY_NAME = "the same object: a global that pickles by name"
@@ -343,7 +343,7 @@ def _plain_size(cls: type, slots: list[str]) -> int:
     return size
 
 
-class _Planner:
+class Planner:
     def __init__(self, *, strict: bool, allowed_devices: frozenset[str]) -> None:
         self.strict = strict
         self.allowed_devices = allowed_devices
@@ -639,7 +639,7 @@ def check_bytes_io(x: io.BytesIO, path: KeyPath) -> None:
         )
 
 
-class _Collector(_Planner):
+class _Collector(Planner):
     """A planner that only gathers the tree's tensors (plain or local) and their paths."""
 
     def __init__(self) -> None:
@@ -688,7 +688,7 @@ def iter_plan(
         machine's accelerator.
     :raises UnsupportedInputError: a value that cannot be staged faithfully, with its path.
     """
-    planner = _Planner(strict=strict, allowed_devices=allowed_devices or supported_devices())
+    planner = Planner(strict=strict, allowed_devices=allowed_devices or supported_devices())
     root = yield from planner.walk(state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages), tuple(planner.streams))
     source = PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs))

@@ -98,9 +98,9 @@ The package, one module per concept (only :mod:`._nccl` needs a GPU to run):
 * :mod:`._exchange`: the calls (exchange, send, recv, acknowledgements) and their directions.
 """
 
-from ._exchange import exchange, exchange_ack, recv, recv_ack, send, send_ack
-from ._pairing import Pairing
-from ._protocol import (
+from .exchange import exchange, exchange_ack, recv, recv_ack, send, send_ack
+from .pairing import Pairing
+from .protocol import (
     ACK_BYTES,
     ACK_MESSAGE_BYTES,
     ACK_TAG,

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from .._util.errors import ConfigurationError
 from .._util.threads import run_sync
-from ._protocol import BREAK_TAG
-from ._wire import Message, Route
+from .protocol import BREAK_TAG
+from .wire import Message, Route
 
 _WINDOW = 4
 """Gloo: chunks posted ahead of the one being waited for, per direction."""

@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from .._util.errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
 from .._util.timeslice import drive
-from ._exchange import PackBuffers, _allocate_body, _pack, direct_tensor
-from ._protocol import (
+from .exchange import PackBuffers, _allocate_body, _pack, direct_tensor
+from .protocol import (
     ACK_BYTES,
     ACK_TAG,
     BODY_TAG,

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from .._staging.events import Queryable, wait_event
 from .._util.errors import ConfigurationError
 from .._util.threads import run_sync
-from ._pairing import Pairing
-from ._wire import Message, Route
+from .pairing import Pairing
+from .wire import Message, Route
 
 _NCCL_WINDOW = 2
 """NCCL: the same, kept small because each message in flight holds a device bounce buffer

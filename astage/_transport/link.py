@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from .._util.errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
-from ._gloo import GlooWire
-from ._nccl import NcclWire
-from ._protocol import ExchangeStats, Received, wire_kind
-from ._wire import Message, Route, Wire
+from .gloo import GlooWire
+from .nccl import NcclWire
+from .protocol import ExchangeStats, Received, wire_kind
+from .wire import Message, Route, Wire
 
 log = logging.getLogger("astage.transport")
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .._util.errors import ConfigurationError
 from .._util.threads import run_sync
 from .._util.timeslice import run_steps
-from ._link import Link
-from ._protocol import (
+from .link import Link
+from .protocol import (
     ACK_BYTES,
     ACK_TAG,
     BODY_TAG,
@@ -49,7 +49,7 @@ from ._protocol import (
     plan_chunks,
     preamble_words,
 )
-from ._wire import Message
+from .wire import Message
 
 _PACK_BUFFERS = 2
 
