@@ -38,7 +38,6 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any, Self
 
 import anyio
@@ -203,12 +202,7 @@ class StagerAdapter(TorchAsyncStager):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

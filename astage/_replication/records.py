@@ -9,7 +9,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -101,11 +101,27 @@ def received_result(
     return result
 
 
-@dataclasses.dataclass(frozen=True)
 class GroupSession:
     """What a collective operation uses of a :class:`ReplicationStager` while it holds the
     group (:meth:`ReplicationStager.collective`): the ring, the deadline's length, the pool
     received copies land in, and the one path to the wire."""
+
+    def __init__(
+        self,
+        ring: _Ring,
+        inbox: BufferPool,
+        transfer: Callable[..., Awaitable[_transport.Received | None]],
+    ) -> None:
+        self.rank, self.world_size = ring.rank, ring.world_size
+        self.send_to, self.recv_from = ring.send_to, ring.recv_from
+        self.timeout, self.process_group = ring.timeout, ring.process_group
+        self.held_replicas = ring.held_replicas
+        self.inbox = inbox
+        self.transfer = transfer
+
+
+class _Ring(Protocol):
+    """The public side of a ReplicationStager that a :class:`GroupSession` copies."""
 
     rank: int
     world_size: int
@@ -113,9 +129,8 @@ class GroupSession:
     recv_from: int
     timeout: float
     process_group: Any
-    inbox: BufferPool
-    transfer: Callable[..., Awaitable[_transport.Received | None]]
-    held_replicas: Callable[[], dict[int, Path]]
+
+    def held_replicas(self) -> dict[int, Path]: ...
 
 
 def time_left(deadline: float) -> float:

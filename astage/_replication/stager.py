@@ -601,17 +601,7 @@ class ReplicationStager(anyio.abc.AsyncResource):
         async with self._lock:
             self._check_usable()
             try:
-                yield GroupSession(
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    send_to=self.send_to,
-                    recv_from=self.recv_from,
-                    timeout=self.timeout,
-                    process_group=self.process_group,
-                    inbox=self._inbox,
-                    transfer=self._wire,
-                    held_replicas=self.held_replicas,
-                )
+                yield GroupSession(self, self._inbox, self._wire)
             except agreed:
                 raise
             except BaseException as exc:
