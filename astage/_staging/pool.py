@@ -148,6 +148,10 @@ class PoolStats:
     place at its next stage of the same structure."""
 
 
+RECLAIM_BLOCK = 1024
+"""Handed-out buffers checked at a time when reclaiming (~0.3 ms of C calls a block)."""
+
+
 class BufferPool:
     """Reusable staging buffers of one :class:`BufferKind` under an optional byte cap.
 
@@ -235,25 +239,40 @@ class BufferPool:
 
     def reclaim(self) -> int:
         """Return handed-out buffers that nothing references any more; bytes reclaimed."""
+        return drive(self.reclaim_in_slices())
+
+    def reclaim_in_slices(self) -> Steps[int]:
+        """:meth:`reclaim` in time slices: 20,000 buffers taken back at once held the loop
+        ~30 ms.  Each buffer is checked and taken back within one slice (a buffer given back
+        or handed out meanwhile is simply not found, or found in use)."""
         use_count, refcount = torch._C._storage_Use_Count, sys.getrefcount
         # A buffer is free when its storage has no other C++ owner (tensor, view) and no other
         # Python reference than the pool's own (getrefcount adds its own argument).
-        out = self._out
-        done = [key for key in out if use_count(key) <= 1 and refcount(out[key]) <= 2]
+        keys = list(self._out)
         freed = 0
-        for key in done:
-            buf = out.pop(key)
-            copy, nbytes = self._copy_of.pop(key)
-            self._out_bytes -= nbytes
-            self._copy_buffers[copy] -= 1
-            if not self._copy_buffers[copy]:
-                del self._copy_buffers[copy]
-            freed += nbytes
-            if buf.nbytes() == nbytes:  # a caller may have resized it: then it is dropped
-                self._free_push(buf, nbytes)
+        for start in range(0, len(keys), RECLAIM_BLOCK):
+            out = self._out
+            done = [k for k in keys[start : start + RECLAIM_BLOCK] if k in out and use_count(k) <= 1]
+            for key in done:
+                if refcount(out[key]) <= 2:
+                    freed += self._take_back(key)
+            if slice_over():
+                yield
         if freed:
             self._notify()
         return freed
+
+    def _take_back(self, key: int) -> int:
+        """Move the unreferenced handed-out buffer ``key`` back to the free lists; its bytes."""
+        buf = self._out.pop(key)
+        copy, nbytes = self._copy_of.pop(key)
+        self._out_bytes -= nbytes
+        self._copy_buffers[copy] -= 1
+        if not self._copy_buffers[copy]:
+            del self._copy_buffers[copy]
+        if buf.nbytes() == nbytes:  # a caller may have resized it: then it is dropped
+            self._free_push(buf, nbytes)
+        return nbytes
 
     # -- acquiring ------------------------------------------------------------------------
 
@@ -317,7 +336,8 @@ class BufferPool:
                 self._check_open()
                 if self._queue[0] is ticket:
                     if self._out and not self._free_can_serve(sizes):
-                        self.reclaim()
+                        await run_steps(self.reclaim_in_slices())
+                        self._check_open()
                     got = self._take(sizes)
                     if got is not None:
                         break
