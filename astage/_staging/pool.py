@@ -34,7 +34,7 @@ import torch
 
 from .._util.errors import CapacityError, ClosedError, ConfigurationError
 from .._util.threads import run_sync
-from .._util.timeslice import Steps, drive, iter_drop, run_steps, slice_over
+from .._util.timeslice import Steps, drive, each_block, iter_drop, run_steps
 from .options import check_bool, check_positive_int, check_type
 
 log = logging.getLogger("astage.pool")
@@ -148,10 +148,6 @@ class PoolStats:
     place at its next stage of the same structure."""
 
 
-RECLAIM_BLOCK = 1024
-"""Handed-out buffers checked at a time when reclaiming (~0.3 ms of C calls a block)."""
-
-
 class BufferPool:
     """Reusable staging buffers of one :class:`BufferKind` under an optional byte cap.
 
@@ -248,16 +244,15 @@ class BufferPool:
         use_count, refcount = torch._C._storage_Use_Count, sys.getrefcount
         # A buffer is free when its storage has no other C++ owner (tensor, view) and no other
         # Python reference than the pool's own (getrefcount adds its own argument).
-        keys = list(self._out)
-        freed = 0
-        for start in range(0, len(keys), RECLAIM_BLOCK):
+        taken_back: list[int] = []
+
+        def take_back(keys: Sequence[int]) -> None:
             out = self._out
-            done = [k for k in keys[start : start + RECLAIM_BLOCK] if k in out and use_count(k) <= 1]
-            for key in done:
-                if refcount(out[key]) <= 2:
-                    freed += self._take_back(key)
-            if slice_over():
-                yield
+            done = [k for k in keys if k in out and use_count(k) <= 1]
+            taken_back.extend(self._take_back(k) for k in done if refcount(out[k]) <= 2)
+
+        yield from each_block(list(self._out), take_back)
+        freed = sum(taken_back)
         if freed:
             self._notify()
         return freed
@@ -439,9 +434,10 @@ class BufferPool:
         serial = self._copies_out
         buffers = lease.buffers
         sizes = lease.sizes if lease.sizes is not None else [buf.nbytes() for buf in buffers]
-        for start in range(0, len(buffers), _HAND_OUT_CHUNK):
-            chunk = buffers[start : start + _HAND_OUT_CHUNK]
-            nbytes = sizes[start : start + _HAND_OUT_CHUNK]
+
+        def hand_out(block: Sequence[int]) -> None:
+            r = cast(range, block)
+            chunk, nbytes = buffers[r.start : r.stop], sizes[r.start : r.stop]
             total = sum(nbytes)
             self._leased_bytes -= total
             if not self._closed:
@@ -452,8 +448,8 @@ class BufferPool:
                 )
                 self._out_bytes += total
                 self._copy_buffers[serial] = self._copy_buffers.get(serial, 0) + len(chunk)
-            if slice_over():
-                yield
+
+        yield from each_block(range(len(buffers)), hand_out, _HAND_OUT_CHUNK)
         lease.buffers = []
         return serial
 

@@ -17,6 +17,7 @@ kept copy is given up (a refill failed or was cancelled) and when the stager clo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 import weakref
@@ -25,7 +26,7 @@ from typing import Any, Final, cast
 
 import torch
 
-from .._util.timeslice import Steps, iter_distinct, slice_over
+from .._util.timeslice import Steps, each_block, iter_distinct, slice_over
 from .copies import CopyLayout
 from .plan import StagePlan
 from .pool import Buffer, BufferPool
@@ -118,13 +119,13 @@ class Reuse:
             return
         refs: list[weakref.ref[torch.Tensor]] | None = [] if new else None
         versions: list[int] = []
-        for start in range(0, len(staged), _BLOCK):
-            block = staged[start : start + _BLOCK]
+
+        def visit(block: Sequence[torch.Tensor]) -> None:
             if refs is not None:
-                refs += map(weakref.ref, block)
-            versions += versions_of(block)
-            if slice_over():
-                yield
+                refs.extend(map(weakref.ref, block))
+            versions.extend(versions_of(block))
+
+        yield from each_block(staged, visit)
         self._last = Filled(serial, seen, refs, versions)
 
     def unchanged(self, spare: Spare, seen: Seen | None) -> set[int]:
@@ -196,13 +197,7 @@ class Reuse:
         staged, tensors = last.staged, spare.tensors
         if len(staged) != len(tensors):
             return False
-        for start in range(0, len(tensors), _BLOCK):
-            end = start + _BLOCK
-            if not all(map(operator.is_, map(_deref, staged[start:end]), tensors[start:end])):
-                return False
-            if slice_over():
-                yield
-        return True
+        return (yield from each_block(range(len(tensors)), functools.partial(_same_tensors, staged, tensors)))
 
     def _released_again(
         self, fast: FastPlan, staged: Any, tensors: list[torch.Tensor]
@@ -225,25 +220,25 @@ class Reuse:
             return None
         out = pool.handed_out_buffers()
         buffers: list[Buffer] = []
-        for start in range(0, max(len(known.buffers), len(tensors)), _BLOCK):
-            end = start + _BLOCK
+
+        def still_known(block: Sequence[int]) -> bool:
+            r = cast(range, block)
             try:
-                block = list(map(out.__getitem__, known.buffers[start:end]))
+                found = list(map(out.__getitem__, known.buffers[r.start : r.stop]))
             except KeyError:
-                return None
+                return False
             if (
-                list(map(_nbytes, block)) != known.nbytes[start:end]
-                or list(map(_cdata, map(_untyped_storage, tensors[start:end])))
-                != known.tensor_buffers[start:end]
-                or (
-                    known.tensors is not None
-                    and not all(map(operator.is_, map(_deref, known.tensors[start:end]), tensors[start:end]))
-                )
+                list(map(_nbytes, found)) != known.nbytes[r.start : r.stop]
+                or list(map(_cdata, map(_untyped_storage, tensors[r.start : r.stop])))
+                != known.tensor_buffers[r.start : r.stop]
+                or (known.tensors is not None and not _same_tensors(known.tensors, tensors, r))
             ):
-                return None
-            buffers += block
-            if slice_over():
-                yield
+                return False
+            buffers.extend(found)
+            return True
+
+        if not (yield from each_block(range(max(len(known.buffers), len(tensors))), still_known)):
+            return None
         if self._released is not known or pool.copy_buffers(known.serial) != len(buffers):
             return None  # (changed between two slices)
         as_filled = known.tensors is not None
@@ -311,9 +306,6 @@ class Spare:
         return self.buffers[s]
 
 
-_BLOCK: Final = 512
-"""Tensors a released copy is checked against its record at a time (~0.2 ms a block;
-2,048 took ~0.8 ms, and a slice could run two)."""
 _tensor_ptr: Final = torch.Tensor.data_ptr
 _untyped_storage: Final = torch.Tensor.untyped_storage
 _nbytes: Final = torch.UntypedStorage.nbytes
@@ -346,21 +338,23 @@ class Released:
         """The record of ``spare``, made a block at a time (``weak``: with its tensors)."""
         keys: list[int] = []
         nbytes: list[int] = []
-        for start in range(0, len(spare.buffers), _BLOCK):
-            block = spare.buffers[start : start + _BLOCK]
-            keys += map(_cdata, block)
-            nbytes += map(_nbytes, block)
-            if slice_over():
-                yield
+
+        def buffers(block: Sequence[Buffer]) -> None:
+            keys.extend(map(_cdata, block))
+            nbytes.extend(map(_nbytes, block))
+
+        yield from each_block(spare.buffers, buffers)
         of = spare.fast.storage_of
         tensor_buffers: list[int] = []
         refs: list[weakref.ref[torch.Tensor]] | None = [] if weak else None
-        for start in range(0, len(of), _BLOCK):
-            tensor_buffers += map(keys.__getitem__, of[start : start + _BLOCK])
+
+        def tensors(block: Sequence[int]) -> None:
+            r = cast(range, block)
+            tensor_buffers.extend(map(keys.__getitem__, of[r.start : r.stop]))
             if refs is not None:
-                refs += map(weakref.ref, spare.tensors[start : start + _BLOCK])
-            if slice_over():
-                yield
+                refs.extend(map(weakref.ref, spare.tensors[r.start : r.stop]))
+
+        yield from each_block(range(len(of)), tensors)
         return cls(spare.fast, spare.serial, tuple(keys), nbytes, tensor_buffers, refs)
 
 
@@ -409,6 +403,14 @@ def versions_of(tensors: Sequence[torch.Tensor]) -> list[int]:
 _deref: Final = operator.methodcaller("__call__")
 
 
+def _same_tensors(
+    refs: list[weakref.ref[torch.Tensor]], tensors: list[torch.Tensor], block: Sequence[int]
+) -> bool:
+    """Whether the weakly held ``refs`` are, by identity, ``tensors`` over the range ``block``."""
+    r = cast(range, block)
+    return all(map(operator.is_, map(_deref, refs[r.start : r.stop]), tensors[r.start : r.stop]))
+
+
 def empty_tensor(t: torch.Tensor) -> None:
     """Point a staged tensor, and the tensor it is a view of, at no storage (``set_()``).
 
@@ -440,10 +442,10 @@ def as_matched(
     if fast is None or fast.plan is not plan or fast.dtensors is None:
         return rebuilt
     out = list(rebuilt)
-    positions = fast.dtensors.positions
-    for start in range(0, len(positions), _BLOCK):
-        for p in positions[start : start + _BLOCK]:
+
+    def swap(positions: Sequence[int]) -> None:
+        for p in positions:
             out[p] = locals_[p]
-        if slice_over():
-            yield
+
+    yield from each_block(fast.dtensors.positions, swap)
     return out
