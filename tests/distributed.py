@@ -28,12 +28,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -290,3 +292,25 @@ def _unpickle_error(blob: bytes) -> BaseException:
     error = pickle.loads(blob)
     assert isinstance(error, BaseException)
     return error
+
+
+# -- one directory per node, ring holders --------------------------------------------------
+
+
+def node(root: str, rank: int) -> Path:
+    return Path(root) / f"node{rank}"
+
+
+def holder_of(rank: int, world: int, k: int | None = None) -> int:
+    return (rank + (world // 2 if k is None else k)) % world
+
+
+async def barrier() -> None:
+    await anyio.to_thread.run_sync(dist.barrier)
+
+
+async def lose(root: str, rank: int, *lost: int) -> None:
+    await barrier()  # every rank has closed its objects
+    if rank in lost:
+        shutil.rmtree(node(root, rank))
+    await barrier()

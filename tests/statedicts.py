@@ -202,3 +202,20 @@ def same_state(got: Any, want: Any) -> bool:
     if isinstance(want, list | tuple):
         return len(got) == len(want) and all(same_state(a, b) for a, b in zip(got, want, strict=True))
     return bool(got == want)
+
+
+def model_state(step: int, nbytes: int = 64 << 10) -> dict[str, Any]:
+    """A training-like state whose contents follow from ``step`` alone."""
+    g = torch.Generator().manual_seed(step)
+    weight = random_tensor((max(nbytes // 4, 4),), torch.float32, g)
+    return {
+        "model": {"weight": weight, "head": weight[:8], "bias": torch.arange(step, step + 4)},
+        "optim": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1}]},
+        "step": step,
+    }
+
+
+def state_of(rank: int, step: int, size: int = 1000) -> dict[str, Any]:
+    """A rank's distinctive state at a step: aliasing, a Parameter, non-tensor leaves."""
+    meta = {"rank": rank, "step": step, "lr": 0.5, "tags": [1, None, True]}
+    return rank_state(1000 * step + rank, rank, meta, size)

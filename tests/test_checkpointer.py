@@ -33,29 +33,23 @@ import astage
 import astage._checkpointer.save_pipeline
 import astage._format.codec
 from astage._files.durable import (
-    find_replicas,
     is_temp_name,
     replica_path,
     temp_path_for,
     write_checkpoint_file,
 )
-from astage._format.codec import encode
 from tests.distributed import run_group
 from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture
-from tests.statedicts import assert_same_tree, bytes_equal, random_tensor, rich_state_dict, tensors_of
+from tests.replicators import DirectoryReplicator, FetchingReplicator, flip_last_byte
+from tests.statedicts import (
+    assert_same_tree,
+    bytes_equal,
+    model_state,
+    rich_state_dict,
+    tensors_of,
+)
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def model_state(step: int, nbytes: int = 64 << 10) -> dict[str, Any]:
-    """A training-like state whose contents follow from ``step`` alone."""
-    g = torch.Generator().manual_seed(step)
-    weight = random_tensor((max(nbytes // 4, 4),), torch.float32, g)
-    return {
-        "model": {"weight": weight, "head": weight[:8], "bias": torch.arange(step, step + 4)},
-        "optim": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1}]},
-        "step": step,
-    }
 
 
 def restorable_rich_state() -> dict[str, Any]:
@@ -82,45 +76,6 @@ def step_files(directory: Path, step: int) -> list[str]:
     return sorted(os.listdir(path)) if path.exists() else []
 
 
-def flip_last_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
-class DirectoryReplicator:
-    """Keeps this rank's latest replica in ``directory``, as a peer would (one file per owner).
-
-    :ivar gate: when set to an Event, replication waits for it.
-    :ivar entered: set as a replication call starts.
-    :param fail_steps: steps whose replication raises a :class:`astage.TransportError`.
-    """
-
-    def __init__(self, directory: Path, *, rank: int = 0, fail_steps: tuple[int, ...] = ()) -> None:
-        self.directory = directory
-        self.rank = rank
-        self.fail_steps = fail_steps
-        self.gate: anyio.Event | None = None
-        self.entered = anyio.Event()
-        self.calls: list[int] = []
-
-    async def replicate_staged(self, staged: Any, *, step: int, checkpoint_id: str) -> Path:
-        self.calls.append(step)
-        self.entered.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        if step in self.fail_steps:
-            raise astage.TransportError(f"peer went away while replicating step {step}")
-        replica = await anyio.to_thread.run_sync(
-            functools.partial(
-                encode, staged, owner_rank=self.rank, holder_rank=1, step=step, checkpoint_id=checkpoint_id
-            )
-        )
-        return await write_checkpoint_file(
-            replica_path(self.directory, owner_rank=self.rank, holder_rank=1), replica
-        )
-
-
 class Progress:
     """An ``on_progress`` callback that records the events and lets a test await one."""
 
@@ -140,14 +95,6 @@ class Progress:
         with anyio.fail_after(10):
             while kind not in self.kinds(step):
                 await self._changed.wait()
-
-
-class FetchingReplicator(DirectoryReplicator):
-    """A replicator that can also hand back the replica of a step (``fetch_replica``)."""
-
-    async def fetch_replica(self, step: int) -> Path | None:
-        found = await anyio.to_thread.run_sync(find_replicas, self.directory)
-        return next((r.path for r in found if r.step == step and r.owner_rank == self.rank), None)
 
 
 class SharingReplicator(DirectoryReplicator):

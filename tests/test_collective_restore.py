@@ -7,7 +7,6 @@ directory is removed, and every rank opens new ones and calls ``restore()``.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -15,36 +14,21 @@ from typing import Any
 import anyio
 import pytest
 import torch
-import torch.distributed as dist
 
 import astage
 from astage import IntegrityError, PeerTimeoutError, ResourceError, TransportError
 from astage._checkpointer import collective_restore as _restore
 from astage._checkpointer.collective_restore import Inventory, plan_restore
-from tests.distributed import run_group, stop_self
-from tests.statedicts import rank_state, same_state, storage_key
+from tests.distributed import holder_of, lose, node, run_group, stop_self
+from tests.statedicts import same_state, state_of, storage_key
 
 TIMEOUT = 3.0
-
-
-def state_of(rank: int, step: int, size: int = 1000) -> dict[str, Any]:
-    """A rank's distinctive state at a step: aliasing, a Parameter, non-tensor leaves."""
-    meta = {"rank": rank, "step": step, "lr": 0.5, "tags": [1, None, True]}
-    return rank_state(1000 * step + rank, rank, meta, size)
 
 
 def check(got: Any, rank: int, step: int) -> bool:
     return same_state(got, state_of(rank, step)) and storage_key(got["model"]["w"]) == storage_key(
         got["model"]["w_t"]
     )
-
-
-def node(root: str, rank: int) -> Path:
-    return Path(root) / f"node{rank}"
-
-
-def holder_of(rank: int, world: int, k: int | None = None) -> int:
-    return (rank + (world // 2 if k is None else k)) % world
 
 
 class Job:
@@ -67,21 +51,10 @@ class Job:
             await self.rs.aclose()
 
 
-async def barrier() -> None:
-    await anyio.to_thread.run_sync(dist.barrier)
-
-
 async def save(ckpt: astage.Checkpointer, rank: int, *steps: int) -> None:
     for step in steps:
         await ckpt.save(step, state_of(rank, step))
     await ckpt.wait()
-
-
-async def lose(root: str, rank: int, *lost: int) -> None:
-    await barrier()  # every rank has closed its objects
-    if rank in lost:
-        shutil.rmtree(node(root, rank))
-    await barrier()
 
 
 async def lose_and_heal_target(rank: int, world: int, root: str, lost: int, k: int | None) -> dict[str, Any]:

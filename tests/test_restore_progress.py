@@ -15,11 +15,10 @@ import pytest
 import astage
 import astage._checkpointer.local_restore
 import astage._files.durable
-from tests.distributed import run_group
+from tests.distributed import holder_of, lose, node, run_group
 from tests.helpers import no_blocking_calls_on_the_loop  # noqa: F401 - autouse fixture
-from tests.statedicts import assert_same_tree
-from tests.test_checkpointer import DirectoryReplicator, FetchingReplicator, flip_last_byte, model_state
-from tests.test_collective_restore import holder_of, lose, node, same_state, state_of
+from tests.replicators import DirectoryReplicator, FetchingReplicator, flip_last_byte
+from tests.statedicts import assert_same_tree, model_state, same_state, state_of
 
 STATE_NBYTES = 1 << 20
 CHUNK = 64 << 10
