@@ -84,8 +84,8 @@ def storages_crc32c(header: FileHeader) -> int:
 
 def encoded_storages_crc32c(encoded: Encoded) -> int:
     """:func:`storages_crc32c` of ``encoded``'s header, from the columns it was encoded
-    from: no parse of the header (on 20,000 tensors the parse and a record a storage held
-    the event loop ~34 ms in a save's background)."""
+    from: no parse of the header (the parse and a record a storage held the event loop
+    for tens of milliseconds in a save's background)."""
     layout = encoded.layout
     if layout is None or len(encoded.crcs) != len(layout.storage_table):
         return storages_crc32c(encoded.header)

@@ -2,7 +2,7 @@
 
 A copy is a list of ``(dst, src)`` tensor pairs, one per distinct storage: the staged and
 source tensor themselves when one tensor covers its whole storage contiguously with a dtype
-that ``copy_`` moves bit for bit (no extra tensor objects: this is what keeps 20,000 small
+that ``copy_`` moves bit for bit (no extra tensor objects: this is what keeps many small
 tensors cheap), else byte views of the two storages.  Either way a storage is copied as
 bytes: no dtype that happens to view it may change a bit.  Pairs are cut into batches of
 at most :data:`CHUNK_BYTES` and each batch is one worker-thread call, so a cancellation

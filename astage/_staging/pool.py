@@ -52,7 +52,7 @@ loop 2.5 ms)."""
 ALLOC_BATCH_COUNT = 256
 """Storages allocated per worker-thread call.  Allocating many small ones is Python that
 holds the GIL, which the loop thread then waits for up to the switch interval (5 ms) at a
-time: 20,000 in one call held the loop ~4.5 ms again and again."""
+time, again and again."""
 
 CAP_WAIT_LOG_SECONDS = 1.0
 """How long a request may wait for room under ``max_bytes`` before the wait is logged (INFO)."""
@@ -102,7 +102,7 @@ def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
             _pin_shared(storage)
     elif kind is BufferKind.PINNED:
         storage = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
-    else:  # directly: ~2.5x faster than through a tensor, which counts for 20,000 small buffers
+    else:  # directly: faster than through a tensor, which counts for many small buffers
         storage = torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
     return storage
 
@@ -110,8 +110,8 @@ def allocate_storage(nbytes: int, kind: BufferKind) -> torch.UntypedStorage:
 Buffer = torch.UntypedStorage
 """One pooled staging storage, held as itself.
 
-No record object wraps it: a pool of 20,000 small buffers would keep 20,000 more objects
-for every full pass of the cyclic collector to rescan.  Which copy holds a
+No record object wraps it: a pool of many small buffers would keep one more object a
+buffer for every full pass of the cyclic collector to rescan.  Which copy holds a
 handed-out buffer is kept by the pool, by the storage's ``_cdata``.
 """
 
@@ -125,7 +125,7 @@ class Lease:
     reused_buffers: int
     wait_seconds: float
     sizes: Sequence[int] | None = None
-    """Each buffer's size in bytes, when known (saves a call a buffer on 20,000 of them)."""
+    """Each buffer's size in bytes, when known (saves a call a buffer)."""
 
     @property
     def storages(self) -> list[torch.UntypedStorage]:
@@ -238,8 +238,8 @@ class BufferPool:
         return drive(self.reclaim_in_slices())
 
     def reclaim_in_slices(self) -> Steps[int]:
-        """:meth:`reclaim` in time slices: 20,000 buffers taken back at once held the loop
-        ~30 ms.  Each buffer is checked and taken back within one slice (a buffer given back
+        """:meth:`reclaim` in time slices (benchmarks/README.md, "Where the code slices").
+        Each buffer is checked and taken back within one slice (a buffer given back
         or handed out meanwhile is simply not found, or found in use)."""
         use_count, refcount = torch._C._storage_Use_Count, sys.getrefcount
         # A buffer is free when its storage has no other C++ owner (tensor, view) and no other
@@ -284,7 +284,7 @@ class BufferPool:
             if self.total_bytes + missing > self.max_bytes:
                 return None
         taken: list[Buffer | None] = [None] * len(sizes)
-        if self._free:  # a first request finds nothing free: skip 20,000 lookups
+        if self._free:  # a first request finds nothing free: skip a lookup a buffer
             for i, n in enumerate(sizes):
                 bucket = self._free.get(n)
                 if bucket:
@@ -426,8 +426,7 @@ class BufferPool:
         return drive(self.iter_hand_out(lease))
 
     def iter_hand_out(self, lease: Lease) -> Steps[int]:
-        """:meth:`hand_out` in time slices: a copy of 20,000 buffers in one go held the
-        loop ~6 ms.  Between slices the lease is partly handed out, so an async caller
+        """:meth:`hand_out` in time slices.  Between slices the lease is partly handed out, so an async caller
         runs it shielded from cancellation; its buffers are still referenced by the lease
         then, so :meth:`reclaim` leaves them alone."""
         self._copies_out += 1
@@ -524,6 +523,6 @@ class BufferPool:
         self._copy_buffers.clear()
         self._notify()
         # One at a time: freeing a buffer gives its memory back to the system (munmap) on
-        # the thread that drops the last reference, holding the GIL; dropping a 1.5 GB pool
-        # at once held the loop 25-90 ms.  Cancelled, the rest go at once.
+        # the thread that drops the last reference, holding the GIL; dropping a large pool
+        # at once held the loop for tens of milliseconds.  Cancelled, the rest go at once.
         await run_steps(iter_drop(doomed, block=1))

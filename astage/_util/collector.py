@@ -9,8 +9,8 @@ a worker thread runs for astage (``encode``, ``parse_prefix``, ``decode``) runs 
 spans an ``await``, so the program's own tasks never run in one on the loop thread.
 
 What astage leaves to the program's heap.  Nothing here moves, ages, freezes or collects
-an object: what a first stage keeps (about four tracked objects a tensor: ~80,000 for
-20,000 tensors) ages through the generations like any object the program makes, and, as
+an object: what a first stage keeps (about four tracked objects a tensor) ages through the
+generations like any object the program makes, and, as
 any program that makes that many, may make one full collection due, once per structure
 (a first stage, or a stage after the structure changed; steady stages make almost no
 objects).  A program that wants its long-lived heap out of every collection can say so

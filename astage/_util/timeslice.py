@@ -14,8 +14,8 @@ it straight through (:func:`drive`).  The driver starts each slice; the work onl
 
 The cyclic garbage collector is paused during each slice: a walk allocates one small
 object per tensor that lives as long as the plan, and a collection pass triggered every
-few hundred allocations would rescan all of them (it doubled the cost of planning 20,000
-tensors).  Collection resumes between slices, so nothing is deferred for long.
+few hundred allocations would rescan all of them (it doubled the cost of planning).
+Collection resumes between slices, so nothing is deferred for long.
 """
 
 from __future__ import annotations
@@ -154,9 +154,9 @@ def each_block(items: Sequence[T], visit: Callable[[Sequence[T]], object], block
 def iter_distinct(items: Sequence[object]) -> Steps[bool]:
     """Whether no object appears twice in ``items`` (by identity), in time slices.
 
-    The ids are gathered a block at a time and sorted once: a set of 20,000 ids made in one
+    The ids are gathered a block at a time and sorted once: a set of all the ids made in one
     go held the loop for milliseconds, and one grown a block at a time still did whenever
-    it grew its table (~1 ms at 10,000 entries).
+    it grew its table (~1 ms at ten thousand entries).
     """
     ids = np.empty(len(items), dtype=np.int64)
 
@@ -171,7 +171,7 @@ def iter_distinct(items: Sequence[object]) -> Steps[bool]:
 
 def iter_drop(items: list[Any], block: int = BLOCK) -> Steps[None]:
     """Empty ``items`` from the end, a block at a time, in time slices: the last reference
-    to 20,000 small records, dropped at once, frees them all in one go (milliseconds)."""
+    to many small records, dropped at once, frees them all in one go (milliseconds)."""
     while items:
         del items[-block:]
         if slice_over():
@@ -179,7 +179,7 @@ def iter_drop(items: list[Any], block: int = BLOCK) -> Steps[None]:
 
 
 def iter_clear(mapping: dict[Any, Any], block: int = BLOCK) -> Steps[None]:
-    """Empty ``mapping`` a block of entries at a time, in time slices: a dict of 20,000
+    """Empty ``mapping`` a block of entries at a time, in time slices: a dict of many
     entries dropped at once frees them all in one go (milliseconds)."""
     pop = mapping.popitem
     while mapping:
