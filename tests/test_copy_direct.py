@@ -19,7 +19,7 @@ from astage._staging.copies import (
     DIRECT_MAX_BYTES,
     DIRECT_MIN_NUMEL,
     DirectBatch,
-    iter_copy_layout,
+    copy_layout_in_slices,
     run_batch,
 )
 from astage._staging.plan import plan_state_dict
@@ -57,7 +57,7 @@ def mixed() -> dict[str, Any]:
 def direct_keys(sd: dict[str, Any]) -> set[str]:
     """The keys whose storages the layout copies by ``memmove``."""
     source = plan_state_dict(sd)
-    layout = drive(iter_copy_layout(source.plan, source.tensors))
+    layout = drive(copy_layout_in_slices(source.plan, source.tensors))
     ids = {id(t): k for k, t in sd.items()}
     out: set[str] = set()
     for batch, direct in zip(layout.host, layout.host_direct, strict=True):

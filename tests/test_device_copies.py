@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from astage import DefaultStager, StagingOptions
-from astage._staging.copies import Batch, group_by_device, iter_copy_layout
+from astage._staging.copies import Batch, copy_layout_in_slices, group_by_device
 from astage._staging.plan import plan_state_dict
 from astage._util.timeslice import drive
 from tests.statedicts import assert_same_tree
@@ -41,7 +41,7 @@ def _on_devices(devices: list[str]) -> tuple[Any, Any, list[torch.device]]:
 def test_a_device_batch_never_mixes_devices() -> None:
     devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:1", "cuda:0", "cpu", "cuda:1"]
     plan, sources, storage_devices = _on_devices(devices)
-    layout = drive(iter_copy_layout(plan, sources))
+    layout = drive(copy_layout_in_slices(plan, sources))
     seen: list[int] = []
     for batch in layout.device:
         storages = [plan.tensors[i].storage for i in batch]

@@ -149,7 +149,7 @@ class CopyWork(NamedTuple):
     costs: list[int]
 
 
-def iter_covering(plan: StagePlan, sources: Sequence[torch.Tensor]) -> Steps[list[int | None]]:
+def covering_in_slices(plan: StagePlan, sources: Sequence[torch.Tensor]) -> Steps[list[int | None]]:
     """For each planned storage, the tensor that covers it whole (copied as itself), or ``None``.
 
     Depends only on what the plan records (``sources`` are the plan's own source tensors,
@@ -194,11 +194,11 @@ class CopyLayout:
     """For each ``host`` batch, whether it is a :class:`DirectBatch`."""
 
 
-def iter_copy_layout(
+def copy_layout_in_slices(
     plan: StagePlan, sources: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
 ) -> Steps[CopyLayout]:
     """Group the plan's storages into batches of at most ``chunk_bytes`` and :data:`MAX_BATCH_PAIRS`."""
-    cover = yield from iter_covering(plan, sources)
+    cover = yield from covering_in_slices(plan, sources)
     tensors = plan.tensors
     batches: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
     sizes: dict[bool, list[int]] = {True: [], False: []}
@@ -247,7 +247,7 @@ def iter_copy_layout(
     )
 
 
-def iter_batches(
+def batches_in_slices(
     plan: StagePlan,
     layout: CopyLayout,
     dst: Sequence[torch.Tensor],
@@ -485,7 +485,7 @@ async def _copy_lane(
 def group_by_device(batches: Sequence[Batch]) -> dict[torch.device, list[Batch]]:
     """The batches by the device of their sources, each device's in their order.
 
-    A batch never mixes devices (:func:`iter_copy_layout` cuts one where the device
+    A batch never mixes devices (:func:`copy_layout_in_slices` cuts one where the device
     changes), so its first source names the device of all of them.
     """
     groups: dict[torch.device, list[Batch]] = {}

@@ -48,7 +48,7 @@ from typing import Any, Final, NamedTuple, NoReturn, cast
 import torch
 
 from .._util.errors import Attr, KeyPath, UnsupportedInputError
-from .._util.timeslice import Steps, drive, iter_clear, iter_drop, slice_over
+from .._util.timeslice import Steps, clear_in_slices, drive, iter_drop, slice_over
 
 _first = operator.itemgetter(0)
 
@@ -389,7 +389,7 @@ class Planner:
         the lists' references let go).
         """
         for index in (self.tensor_index, self.storage_index, self.storage_specs, self.memo):
-            yield from iter_clear(index)
+            yield from clear_in_slices(index)
         for items in (
             self.tensors,
             self.sources,
@@ -656,7 +656,7 @@ class _Collector(Planner):
         return tensor_node(index)
 
 
-def iter_tensor_paths(tree: Any) -> Steps[list[tuple[KeyPath, torch.Tensor]]]:
+def tensor_paths_in_slices(tree: Any) -> Steps[list[tuple[KeyPath, torch.Tensor]]]:
     """Every distinct tensor in ``tree`` (DTensors as their local tensor) with its key
     path, in time slices."""
     collector = _Collector()

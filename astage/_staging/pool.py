@@ -423,9 +423,9 @@ class BufferPool:
         """Mark a lease as owned by a caller: its buffers come back once unreferenced.
 
         Returns the lease's serial, which names this copy in :meth:`copy_of`."""
-        return drive(self.iter_hand_out(lease))
+        return drive(self.hand_out_in_slices(lease))
 
-    def iter_hand_out(self, lease: Lease) -> Steps[int]:
+    def hand_out_in_slices(self, lease: Lease) -> Steps[int]:
         """:meth:`hand_out` in time slices.  Between slices the lease is partly handed out, so an async caller
         runs it shielded from cancellation; its buffers are still referenced by the lease
         then, so :meth:`reclaim` leaves them alone."""

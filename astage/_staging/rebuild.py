@@ -1,6 +1,6 @@
 """Rebuild a planned tree over staged storages: the inverse of the plan's walk.
 
-:func:`iter_rebuild` turns a :class:`~astage._staging.plan.StagePlan` back into the user's tree,
+:func:`rebuild_in_slices` turns a :class:`~astage._staging.plan.StagePlan` back into the user's tree,
 with each planned tensor viewing its staged storage exactly as its source viewed the
 source storage (:func:`make_tensor`), wrapped as the Parameter or DTensor it was; the
 same object met twice in the source comes back as one object met twice.
@@ -104,11 +104,11 @@ async def copy_streams(
 def rebuild(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Any:
     """Rebuild the planned tree over staged ``storages`` (one per :attr:`StagePlan.storages`)."""
     return drive(
-        iter_rebuild(plan, lambda i: make_tensor(plan.tensors[i], storages[plan.tensors[i].storage]))
+        rebuild_in_slices(plan, lambda i: make_tensor(plan.tensors[i], storages[plan.tensors[i].storage]))
     )
 
 
-def iter_rebuild(plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> Steps[Any]:
+def rebuild_in_slices(plan: StagePlan, local_tensor: Callable[[int], torch.Tensor]) -> Steps[Any]:
     """Rebuild the planned tree in time slices; ``local_tensor(i)`` gives the plain staged
     tensor of ``plan.tensors[i]`` (wrapped here as a Parameter or DTensor as planned)."""
     return (yield from within(plain_tensor_mode, Rebuilder(plan, local_tensor).node(plan.root)))

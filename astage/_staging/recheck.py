@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from .._util.errors import Attr
-from .._util.timeslice import Steps, iter_distinct, slice_over
+from .._util.timeslice import Steps, distinct_in_slices, slice_over
 from .plan import (
     AtomNode,
     DictNode,
@@ -204,7 +204,7 @@ def _spec_fields(spec_cls: type) -> Any:
     return getter
 
 
-def _iter_dtensor_columns(source: PlannedSource) -> Steps[DTensorColumns | None]:
+def _dtensor_columns_in_slices(source: PlannedSource) -> Steps[DTensorColumns | None]:
     """The :class:`DTensorColumns` of ``source``'s plan (``None``: it has no DTensor)."""
     positions: list[int] = []
     dtensor = TensorKind.DTENSOR
@@ -252,7 +252,9 @@ class _SlotsMade:
         self.paths: list[tuple[Any, ...]] = []
         self.nodes: list[AtomNode] = []
 
-    def iter_add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> Steps[None]:
+    def add_in_slices(
+        self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]
+    ) -> Steps[None]:
         """Give a slot to each patchable atom of ``nodes``, the values of a dict or list, in
         time slices (an optimizer's ``params`` list holds thousands of ints)."""
         slots = [-1] * len(nodes)
@@ -292,12 +294,12 @@ def _eligible(
                 return False
             key_types[memo] = types_
             if not _all_tensor_nodes(values):
-                yield from slots.iter_add(path, keys, values)
+                yield from slots.add_in_slices(path, keys, values)
             children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
             steps: Sequence[Any] = keys + tuple(Attr(name) for name, _ in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
             if cls is list and not _all_tensor_nodes(items):
-                yield from slots.iter_add(path, range(len(items)), items)
+                yield from slots.add_in_slices(path, range(len(items)), items)
             children, steps = items, range(len(items))
         case _:
             return False
@@ -340,7 +342,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
             return None
         if not i & 1023 and slice_over():
             yield
-    dtensors = yield from _iter_dtensor_columns(source)
+    dtensors = yield from _dtensor_columns_in_slices(source)
     key_types: dict[int, tuple[type, ...]] = {}
     runs: dict[int, int] = {}
     slots = _SlotsMade()
@@ -659,7 +661,7 @@ def _arm(
     guards[position] = (guard, rest)
 
 
-def _iter_unwrap(columns: DTensorColumns, values: list[Any]) -> Steps[list[Any] | None]:
+def _unwrap_in_slices(columns: DTensorColumns, values: list[Any]) -> Steps[list[Any] | None]:
     """``values`` with each planned DTensor replaced by its local tensor, if every one is
     the planned DTensor but for its local (:class:`DTensorColumns`), else ``None``.
 
@@ -746,7 +748,7 @@ def iter_match(
     if not ok or len(sources) != len(fast.signatures):
         return None
     if fast.dtensors is not None:
-        unwrapped = yield from _iter_unwrap(fast.dtensors, values)
+        unwrapped = yield from _unwrap_in_slices(fast.dtensors, values)
         if unwrapped is None:
             return None
         sources = matcher.sources = unwrapped
@@ -758,7 +760,7 @@ def iter_match(
     # id into a set costs milliseconds, and most plans share no storage.  The objects of the
     # tree, not DTensors' locals: the planner knows a tensor met twice by the tree's object.
     distinct = values if meta_only or walk_only else list(map(values.__getitem__, fast.shared))
-    if not (yield from iter_distinct(distinct)):
+    if not (yield from distinct_in_slices(distinct)):
         return None
     if patches is not None and matcher.patches:
         patches += matcher.patches

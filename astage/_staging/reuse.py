@@ -26,7 +26,7 @@ from typing import Any, Final, cast
 
 import torch
 
-from .._util.timeslice import Steps, each_block, iter_distinct, slice_over
+from .._util.timeslice import Steps, distinct_in_slices, each_block, slice_over
 from .copies import CopyLayout
 from .plan import StagePlan
 from .pool import Buffer, BufferPool
@@ -276,7 +276,7 @@ class Reuse:
         # One buffer per planned storage, all distinct, and every buffer of that copy here:
         # one left out may still be in the caller's hands, and a copy not released is never
         # overwritten.
-        if serial is None or None in buffers or not (yield from iter_distinct(buffers)):
+        if serial is None or None in buffers or not (yield from distinct_in_slices(buffers)):
             return None
         if self._pool.copy_buffers(serial) != len(buffers):
             return None

@@ -52,12 +52,12 @@ from .copies import (
     CopyLayout,
     CopyWork,
     DeviceCopy,
+    batches_in_slices,
     copy_in_threads,
     copy_lanes,
+    copy_layout_in_slices,
     enqueue_device_copies,
     group_by_device,
-    iter_batches,
-    iter_copy_layout,
     run_batch,
 )
 from .events import STRATEGIES, Strategy, wait_event
@@ -69,7 +69,7 @@ from .options import (
     check_positive_int,
     coerce_options,
 )
-from .plan import PlannedSource, StagePlan, iter_plan, iter_tensor_paths
+from .plan import PlannedSource, StagePlan, iter_plan, tensor_paths_in_slices
 from .pool import BufferKind, BufferPool, Lease, PoolStats
 from .rebuild import Rebuilder, copy_streams, make_tensor, plain_tensor_mode
 from .recheck import iter_fast_plan, iter_match, set_atoms
@@ -376,7 +376,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         await self._forget_plan()
         planning = iter_plan(state_dict, strict=self._strict)
         source: PlannedSource = await self._run(planning, makes_tensors=False)
-        layout = await self._run(iter_copy_layout(source.plan, source.tensors), makes_tensors=False)
+        layout = await self._run(copy_layout_in_slices(source.plan, source.tensors), makes_tensors=False)
         fast = await self._run(iter_fast_plan(source), makes_tensors=False)
         self._reuse.adopt(fast, layout, source.storages)
         return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
@@ -419,7 +419,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         rebuilder: Rebuilder | None = None
         seen = self._reuse.see(sources)
         try:
-            staged_locals = await self._run(_iter_locals(plan, lease.storages))
+            staged_locals = await self._run(_locals_in_slices(plan, lease.storages))
             await self._copy(plan, layout, staged_locals, sources, lease.storages.__getitem__)
             streams = await copy_streams(plan, self._limiter, threaded=self._resolved.async_copy)
             rebuilder = Rebuilder(plan, staged_locals.__getitem__, streams)
@@ -437,7 +437,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.reclaim()
             raise
         with anyio.CancelScope(shield=True):  # half handed out between its slices
-            serial = await self._run(self._pool.iter_hand_out(lease), makes_tensors=False)
+            serial = await self._run(self._pool.hand_out_in_slices(lease), makes_tensors=False)
             rebuilt = cast(list[torch.Tensor], rebuilder.tensors)
             staged_tensors = await self._run(
                 as_matched(self._reuse.fast, plan, rebuilt, staged_locals), makes_tensors=False
@@ -526,7 +526,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             return src[first[s]].untyped_storage()
 
         def batches(on_host: bool) -> Steps[CopyWork]:
-            return iter_batches(
+            return batches_in_slices(
                 plan,
                 layout,
                 dst,
@@ -683,7 +683,7 @@ class DefaultStager(anyio.abc.AsyncResource):
                 ):
                     reuse.keep(spare)
                     return
-            found: list[tuple[Any, torch.Tensor]] = await run_steps(iter_tensor_paths(staged))
+            found: list[tuple[Any, torch.Tensor]] = await run_steps(tensor_paths_in_slices(staged))
             ours = self._pool.handed_out_storages(kept=True)
             for path, tensor in found:
                 # An empty storage is a tensor released before (or one with no data at all).
@@ -704,7 +704,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.reclaim()
 
 
-def _iter_locals(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
+def _locals_in_slices(plan: StagePlan, storages: Sequence[torch.UntypedStorage]) -> Steps[list[torch.Tensor]]:
     """The plain staged tensor of every planned tensor, in time slices."""
     out: list[torch.Tensor] = []
     for spec in plan.tensors:

@@ -151,7 +151,7 @@ def each_block(items: Sequence[T], visit: Callable[[Sequence[T]], object], block
     return True
 
 
-def iter_distinct(items: Sequence[object]) -> Steps[bool]:
+def distinct_in_slices(items: Sequence[object]) -> Steps[bool]:
     """Whether no object appears twice in ``items`` (by identity), in time slices.
 
     The ids are gathered a block at a time and sorted once: a set of all the ids made in one
@@ -178,7 +178,7 @@ def iter_drop(items: list[Any], block: int = BLOCK) -> Steps[None]:
             yield
 
 
-def iter_clear(mapping: dict[Any, Any], block: int = BLOCK) -> Steps[None]:
+def clear_in_slices(mapping: dict[Any, Any], block: int = BLOCK) -> Steps[None]:
     """Empty ``mapping`` a block of entries at a time, in time slices: a dict of many
     entries dropped at once frees them all in one go (milliseconds)."""
     pop = mapping.popitem
