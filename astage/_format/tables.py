@@ -1,11 +1,12 @@
-"""The binary per-tensor and per-storage tables of a version-3 checkpoint file header.
+"""The binary per-tensor and per-storage tables of a checkpoint file header.
 
-The header starts with four counts, then one fixed-size record a tensor
+The header starts with four counts (tensors, dims, storages, and the length of the
+structure JSON that follows the tables), then one fixed-size record a tensor
 (:data:`TENSOR_RECORD`), every tensor's sizes and strides as one int64 array, and one
 record a storage (:data:`STORAGE_RECORD`).  This module packs them from a plan and, on
 the way back, checks them whole columns at a time with numpy (indices, codes, flags,
 canonical storage offsets, every tensor inside its storage) before turning them into
-:class:`TensorSpec` records: per-tensor Python work is what a 20,000-tensor header costs.
+:class:`TensorSpec` records: per-tensor Python work is what a many-tensor header costs.
 Pure: no file, socket or thread.
 """
 
@@ -35,10 +36,10 @@ from .spec import (
     tensor_refused,
 )
 
-_COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
+_COUNTS = struct.Struct("<QQQQ")  # tensors, dims, storages, structure JSON bytes
 
 DTYPE_CODES: Final[tuple[str, ...]] = tuple(DTYPES)
-"""Version 3's dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
+"""The dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
 only: a code once written means that dtype forever."""
 
 TENSOR_RECORD: Final = np.dtype(
@@ -51,13 +52,13 @@ TENSOR_RECORD: Final = np.dtype(
         ("offset", "<i8"),
     ]
 )
-"""One tensor of a version-3 header (16 bytes, little-endian).  Its ``ndim`` sizes and then
+"""One tensor of a header (16 bytes, little-endian).  Its ``ndim`` sizes and then
 ``ndim`` strides follow the previous tensor's in the dims array."""
 
 STORAGE_RECORD: Final = np.dtype(
     [("offset", "<u8"), ("nbytes", "<u8"), ("crc32c", "<u4"), ("reserved", "<u4")]
 )
-"""One storage of a version-3 header (24 bytes, little-endian): where its bytes lie in the
+"""One storage of a header (24 bytes, little-endian): where its bytes lie in the
 body and their crc32c; ``reserved`` is zero."""
 
 _FLAGS: Final = FLAG_REQUIRES_GRAD | FLAG_CONJ | FLAG_NEG
@@ -67,7 +68,7 @@ _DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES
 _CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
 _CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
 _KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY, TensorKind.BYTESIO)
-"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0).  Append only."""
+"""The kind codes (a DTensor is stored as its local tensor, code 0).  Append only."""
 _KIND_CODE: Final = {
     TensorKind.TENSOR: 0,
     TensorKind.PARAMETER: 1,
@@ -100,7 +101,7 @@ _CODE_DTYPE_OBJECTS: Final = _objects(_CODE_DTYPES)
 _KIND_OBJECTS: Final = _objects(_KIND_CODES)
 _new_tuple: Final = tuple.__new__
 """Builds a NamedTuple from the complete tuple of its fields, skipping its Python-level
-``__new__``: a call a record is most of what a 20,000-tensor parse costs.  The fields
+``__new__``: a call a record is most of what a many-tensor parse costs.  The fields
 given (here and in :mod:`astage._format.tree`) are checked against the classes below, so
 a field added to them fails at import."""
 if TensorNode._fields != ("position",):
@@ -112,12 +113,12 @@ if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
     raise ImportError("astage builds Segment and TensorSpec records field by field")
 
 _EXACT_LIMIT: Final = 1 << 20
-"""Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
+"""Extents are computed column-wise in int64 for tensors whose sizes and strides
 are all below this (no sum can overflow); the others, rare, are checked one by one."""
 
 
 def _tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """The version-3 tensor table and dims array of ``specs``, built column by column (the
+    """The tensor table and dims array of ``specs``, built column by column (the
     columns come out of one ``zip(*specs)``, at C speed)."""
     table = np.zeros(len(specs), TENSOR_RECORD)
     if not specs:
@@ -157,12 +158,14 @@ def _any_refused(specs: Sequence[Any]) -> bool:
 
 
 class _Tables(NamedTuple):
-    """The binary tables of a version-3 header, viewed in place (not yet validated)."""
+    """The binary tables of a header, viewed in place (not yet validated), and the length
+    of the structure JSON after them (checked to fit in the header)."""
 
     tensors: np.ndarray[Any, Any]
     dims: np.ndarray[Any, Any]
     storages: np.ndarray[Any, Any]
     nbytes: int
+    structure_len: int
 
     @property
     def counts(self) -> tuple[int, int, int]:
@@ -170,12 +173,11 @@ class _Tables(NamedTuple):
 
 
 def _split_tables(raw: bytes | memoryview) -> _Tables:
-    """The tables at the start of a version-3 header; their sizes checked against ``raw``."""
+    """The tables at the start of a header; their sizes, and the structure JSON's, checked
+    against ``raw``."""
     if len(raw) < _COUNTS.size:
         raise _fail("tables", f"{len(raw)} bytes, the table counts alone take {_COUNTS.size}")
-    tensors, dims, storages, reserved = _COUNTS.unpack_from(raw)
-    if reserved:
-        raise _fail("tables", "the reserved count is not zero")
+    tensors, dims, storages, structure_len = _COUNTS.unpack_from(raw)
     # Each count is checked against the bytes before it is multiplied: no overflow.
     room = len(raw) - _COUNTS.size
     at = _COUNTS.size
@@ -190,7 +192,9 @@ def _split_tables(raw: bytes | memoryview) -> _Tables:
         views.append(np.frombuffer(raw, record, count, at))
         at += count * record.itemsize
         room -= count * record.itemsize
-    return _Tables(views[0], views[1], views[2], at)
+    if structure_len > room:
+        raise _fail("tables", f"a {structure_len}-byte structure does not fit in the {len(raw)}-byte header")
+    return _Tables(views[0], views[1], views[2], at, structure_len)
 
 
 class _Columns(NamedTuple):
@@ -210,7 +214,7 @@ def _first(bad: np.ndarray[Any, Any]) -> int:
 
 
 def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> Segments:
-    """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
+    """The storages, checked as whole columns: canonical offsets, inside the body."""
     offsets = records["offset"]
     nbytes = records["nbytes"]
     if records["reserved"].any():
@@ -237,7 +241,7 @@ def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> Segments:
 
 
 def _check_tensor_table(tables: _Tables, segments: Segments) -> _Columns:
-    """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
+    """The tensors, checked as whole columns with numpy: indices, codes, flags and
     every tensor inside its storage.  The rare tensor with a dimension or stride of
     :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
     records, dims = tables.tensors, tables.dims
@@ -363,7 +367,7 @@ def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSp
 
     Column by column: each field is one numpy ``tolist`` (or an object-array gather), and
     each record one ``tuple.__new__``; a Python call a tensor would cost more than the
-    rest of the parse (headers of 20,000 tensors are parsed).
+    rest of the parse (headers of tens of thousands of tensors are parsed).
     """
     flags = columns.records["flags"]
     sizes, strides = _shapes(columns)

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -118,16 +118,22 @@ class AtomSlots:
     """Where a plan's patchable atoms sit: each one directly in a plain dict or a list (its
     *slot*), so a staged tree can take a new value in place (:func:`set_atoms`).
 
-    An atom in a tuple, or in an object's attributes, has no slot: a change there re-plans.
+    A slot is named by the atom's number in a walk of the plan (a dict's values, then its
+    attributes; a sequence's items; every atom counted): the index of its entry in a
+    checkpoint file's scalar table (:mod:`astage._format.scalars`), so a patch names the
+    same scalar for the stager, the layout cache and the file.  An atom in a tuple, or in
+    an object's attributes, has no slot: a change there re-plans.
     """
 
     by_values: dict[int, tuple[int, ...]]
     """``id(node.values or node.items)`` -> the slot of each position, ``-1`` for none."""
-    paths: tuple[tuple[Any, ...], ...]
+    paths: Mapping[int, tuple[Any, ...]]
     """Each slot's path from the root: keys, list indices and :class:`Attr` entries to its
     container, then its key or index there."""
-    nodes: tuple[AtomNode, ...] = ()
+    nodes: Mapping[int, AtomNode] = dataclasses.field(default_factory=dict)
     """The plan's :class:`AtomNode` at each slot (its ``value`` is the plan's)."""
+    count: int = 0
+    """How many atoms the plan holds, slots or not (its scalar table's length)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -154,7 +160,7 @@ class FastPlan:
     ones that can be one tensor object at two positions and pass the storage check."""
     meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
     """The same for ``meta_only`` checks (a staged copy's tensors: offsets, no attributes)."""
-    atoms: AtomSlots = AtomSlots({}, ())
+    atoms: AtomSlots = AtomSlots({}, {})
     """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
     storage_of: Sequence[int] = ()
     """Each planned tensor's storage index, in plan order (a column made once per plan)."""
@@ -245,29 +251,35 @@ _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
 
 
 class _SlotsMade:
-    """:class:`AtomSlots` as :func:`_eligible` finds them."""
+    """:class:`AtomSlots` as :func:`_eligible` finds them: every atom numbered in walk order
+    (a dict's values, then its attributes; a sequence's items), as the checkpoint file's
+    scalar table numbers them, and the patchable ones given that number as their slot."""
 
     def __init__(self) -> None:
         self.by_values: dict[int, tuple[int, ...]] = {}
-        self.paths: list[tuple[Any, ...]] = []
-        self.nodes: list[AtomNode] = []
+        self.paths: dict[int, tuple[Any, ...]] = {}
+        self.nodes: dict[int, AtomNode] = {}
+        self.count = 0
 
-    def iter_add(self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]) -> Steps[None]:
-        """Give a slot to each patchable atom of ``nodes``, the values of a dict or list, in
-        time slices: an optimizer's ``params`` list of 6,720 ints held the loop ~8 ms."""
-        slots = [-1] * len(nodes)
-        for i, n in enumerate(nodes):
-            if type(n) is AtomNode and type(n.value) in _PATCHABLE:
-                slots[i] = len(self.paths)
-                self.paths.append((*path, keys[i]))
-                self.nodes.append(n)
-            if not i & 255 and slice_over():
-                yield
-        if any(k >= 0 for k in slots):
+    def add(self, path: tuple[Any, ...], node: AtomNode, slots: list[int] | None, i: int) -> None:
+        """Number atom ``node``, child ``i`` of the container at ``path``; where ``slots``
+        (that container's slots: a dict's values or a list's items) is given and the value
+        can be patched, it is a slot of that number."""
+        k = self.count
+        self.count = k + 1
+        if slots is not None and i < len(slots) and type(node.value) in _PATCHABLE:
+            slots[i] = k
+            self.paths[k] = path
+            self.nodes[k] = node
+
+    def close(self, nodes: tuple[Node, ...], slots: list[int] | None) -> None:
+        """Record the slots of a container's values or items, if it has any."""
+        if slots is not None and any(k >= 0 for k in slots):
             self.by_values[id(nodes)] = tuple(slots)
 
-    def made(self) -> AtomSlots:
-        return AtomSlots(self.by_values, tuple(self.paths), tuple(self.nodes))
+    def made(self, root: Node) -> AtomSlots:
+        count = 1 if type(root) is AtomNode else self.count
+        return AtomSlots(self.by_values, self.paths, self.nodes, count)
 
 
 def _eligible(
@@ -279,7 +291,8 @@ def _eligible(
 ) -> Steps[bool]:
     """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
     tuples, immutable atoms and tensors, Parameters or DTensors without attributes only
-    (anything else is planned anew at every stage).  Finds the subtree's atom slots on the way."""
+    (anything else is planned anew at every stage).  Numbers the subtree's atoms on the way."""
+    here: list[int] | None = None  # the slots of a dict's values or a list's items
     match node:
         case AtomNode() | TensorNode():
             return True
@@ -292,25 +305,26 @@ def _eligible(
                 return False
             key_types[memo] = types_
             if not _all_tensor_nodes(values):
-                yield from slots.iter_add(path, keys, values)
+                here = [-1] * len(values)
             children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
             steps: Sequence[Any] = keys + tuple(Attr(name) for name, _ in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
             if cls is list and not _all_tensor_nodes(items):
-                yield from slots.iter_add(path, range(len(items)), items)
+                here = [-1] * len(items)
             children, steps = items, range(len(items))
         case _:
             return False
-    for step, child in zip(steps, children, strict=True):
-        if (
-            type(child) is not AtomNode
-            and type(child) is not TensorNode
-            and not (yield from _eligible(child, key_types, runs, slots, (*path, step)))
+    for i, (step, child) in enumerate(zip(steps, children, strict=True)):
+        if type(child) is AtomNode:
+            slots.add((*path, step), child, here, i)
+        elif type(child) is not TensorNode and not (
+            yield from _eligible(child, key_types, runs, slots, (*path, step))
         ):
             return False
         if slice_over():  # an optimizer's state: thousands of small dicts
             yield
     items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
+    slots.close(items_, here)
     if items_ and _all_tensor_nodes(items_):
         first = items_[0].position  # type: ignore[union-attr]
         # At C speed, a block at a time: a generator over a module's 20,000 tensors held
@@ -416,7 +430,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         nbytes,
         runs,
         shared=shared,
-        atoms=slots.made(),
+        atoms=slots.made(plan.root),
         storage_of=of,
         dtensors=dtensors,
         meta_signatures=meta_signatures,
