@@ -28,7 +28,7 @@ from .._util.collector import without_gc
 from .._util.errors import IntegrityError
 from .header_parser import parse_values
 from .reader import CheckedPrefix, check_prefix, load_document, parse_checked
-from .scalars import Trail, children, same_scalar, scalar_trails, with_scalars
+from .scalars import Trail, changed_scalars, children, scalar_trails, with_scalars
 from .spec import FileHeader, Segments
 
 log = logging.getLogger("astage.format")
@@ -113,11 +113,7 @@ def _reuse(kept: _Kept, prefix: CheckedPrefix) -> _Kept | None:
     old = kept.header
     if meta["body_nbytes"] != old.body_nbytes or len(scalars) != len(kept.scalars):
         return None
-    changed = [
-        (trail, new)
-        for trail, old_value, new in zip(kept.trails, kept.scalars, scalars, strict=True)
-        if not same_scalar(old_value, new)
-    ]
+    changed = [(kept.trails[k], scalars[k]) for k in changed_scalars(kept.scalars, scalars)]
     plan = old.plan
     if changed:
         plan = StagePlan(with_scalars(plan.root, changed), plan.tensors, plan.storages)

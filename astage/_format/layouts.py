@@ -82,17 +82,25 @@ class _Kept:
     kept); else a changed scalar is laid out in full."""
 
 
-def _slots_are_table(fast: FastPlan, layout: FileLayout) -> bool:
+def _iter_slots_are_table(fast: FastPlan, layout: FileLayout) -> Steps[bool]:
     """Whether ``fast``'s atom slots number the scalars as ``layout``'s scalar table does:
-    as many atoms as entries, and each slot's value the entry at its index (exactly)."""
+    as many atoms as entries, and each slot's value the entry at its index (exactly), in
+    time slices (an optimizer's ``params`` list is thousands of slots)."""
     atoms = fast.atoms
     if not atoms.nodes or atoms.count != len(layout.scalars):
         return False
-    try:
-        planned = [scalar_json(node.value) for node in atoms.nodes.values()]
-    except (TypeError, ValueError):
-        return False
-    return json_text(planned) == json_text([layout.scalars[k] for k in atoms.nodes])
+    slots = list(atoms.nodes)
+    for start in range(0, len(slots), _CHUNK):
+        block = slots[start : start + _CHUNK]
+        try:
+            planned = [scalar_json(atoms.nodes[k].value) for k in block]
+        except (TypeError, ValueError):
+            return False
+        if json_text(planned) != json_text([layout.scalars[k] for k in block]):
+            return False
+        if slice_over():
+            yield
+    return True
 
 
 @dataclasses.dataclass(eq=False)
@@ -294,7 +302,7 @@ def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept
         firsts.setdefault(spec.storage, position)
         if not position & 1023 and slice_over():
             yield
-    patchable = _slots_are_table(fast, layout)
+    patchable = yield from _iter_slots_are_table(fast, layout)
     layout = dataclasses.replace(layout, storages=())
     return _Kept(fast, layout, tuple(map(firsts.__getitem__, range(len(firsts)))), copy, patchable)
 
