@@ -46,8 +46,8 @@ from astage._format.codec import (
     prefix_nbytes,
     verify_body,
 )
-from astage._format.parse_bound import _parse_budget, _table_cost
-from astage._format.tables import _split_tables
+from astage._format.parse_bound import parse_budget, tables_cost
+from astage._format.tables import split_tables
 from astage._staging.plan import DictNode
 from tests.forgery import dumps, join, join_texts, split, values_doc, wrap
 from tests.statedicts import nested_tensors, random_tensor, rich_state_dict, storage_key, tensors_of
@@ -1220,9 +1220,9 @@ def test_key_paths_are_charged_as_the_parse_meets_them() -> None:
     header = encoded.prefix[FIXED_PREFIX_NBYTES : FIXED_PREFIX_NBYTES + header_len].rstrip(b" ")
     spaces = 0
     while True:
-        tables = _split_tables(header + b" " * spaces)
+        tables = split_tables(header + b" " * spaces)
         text = (header + b" " * spaces)[tables.nbytes :]
-        if _parse_budget(len(header) + spaces, text, _table_cost(*tables.counts)) >= 0:
+        if parse_budget(len(header) + spaces, text, tables_cost(*tables.counts)) >= 0:
             break
         spaces += 1024
     with pytest.raises(astage.IntegrityError, match="too dense"):

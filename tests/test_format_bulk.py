@@ -21,9 +21,9 @@ from astage._format.codec import Segment, Segments
 from astage._format.encoded import storage_views as _storage_views
 from astage._format.encoder import _FilePlanner
 from astage._format.header_parser import HeaderParser
-from astage._format.parse_bound import _joined_cost, _parse_cost, _text_tokens, _unpadded_len
+from astage._format.parse_bound import joined_cost, text_parse_cost, text_tokens, unpadded_len
 from astage._format.spec import PARSE_AMPLIFICATION, PARSE_SLACK
-from astage._format.tables import _rows, _split_tables
+from astage._format.tables import _rows, split_tables
 from astage._format.tree_encoder import TreeEncoder
 from astage._staging.plan import StagePlan
 from astage._util.errors import IntegrityError
@@ -87,15 +87,15 @@ def test_unpadded_len_is_the_length_without_trailing_spaces(
     # Unaligned views, padding across the doubling blocks, a non-space after the padding.
     raw = bytes(skew) + text + b" " * spaces + tail
     view = memoryview(raw)[skew:]
-    assert _unpadded_len(view) == len(bytes(view).rstrip(b" "))
-    assert _unpadded_len(bytes(view)) == len(bytes(view).rstrip(b" "))
+    assert unpadded_len(view) == len(bytes(view).rstrip(b" "))
+    assert unpadded_len(bytes(view)) == len(bytes(view).rstrip(b" "))
 
 
 @pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 64 << 10, (64 << 10) + 3, 200_003])
 def test_unpadded_len_of_spaces_only_and_of_no_spaces(length: int) -> None:
-    assert _unpadded_len(b" " * length) == 0
-    assert _unpadded_len(b"x" * length) == length
-    assert _unpadded_len(b"x" + b" " * length) == 1
+    assert unpadded_len(b" " * length) == 0
+    assert unpadded_len(b"x" * length) == length
+    assert unpadded_len(b"x" + b" " * length) == 1
 
 
 _REF = st.one_of(
@@ -120,7 +120,7 @@ def _references(draw: st.DrawFn) -> list[Any]:
 
 
 def _outcome(bulk: bool, refs: list[Any], taken: list[int], path: tuple[Any, ...]) -> Any:
-    parser = HeaderParser(0, 1 << 20, _split_tables(bytes(32)))
+    parser = HeaderParser(0, 1 << 20, split_tables(bytes(32)))
     parser.paths = [None] * 10
     for index in taken:
         parser.paths[index] = ("elsewhere",)
@@ -226,8 +226,8 @@ def test_the_encoder_counts_each_header_text_as_a_reader_does(checkpoint_id: str
         parts, _ = dataclasses.replace(layout, holder_rank=holder).header_parts([0])
         structure, values = parts[-2:]
         assert structure == layout.structure_json.encode()
-        pieces = [layout.structure_tokens, _text_tokens(values)]
-        assert _joined_cost(pieces, len(structure + values)) == _parse_cost(structure + values)
+        pieces = [layout.structure_tokens, text_tokens(values)]
+        assert joined_cost(pieces, len(structure + values)) == text_parse_cost(structure + values)
 
 
 def _first_error(body: bytes, segments: list[tuple[int, int, int]]) -> str | None:

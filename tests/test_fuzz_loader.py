@@ -217,15 +217,15 @@ def replicas(draw: st.DrawFn) -> bytes:
 
 _HEADER = struct.Struct("<8sIQ")
 _CRC = struct.Struct("<I")
-_COUNTS = struct.Struct("<QQQQ")
+COUNTS = struct.Struct("<QQQQ")
 
 
 def _tables_len(header: bytes) -> int | None:
     """Length of the binary tables that open a header, if its counts fit."""
-    if len(header) < _COUNTS.size:
+    if len(header) < COUNTS.size:
         return None
-    tensors, dims, storages, _ = _COUNTS.unpack_from(header)
-    end = _COUNTS.size + TENSOR_RECORD.itemsize * tensors + 8 * dims + STORAGE_RECORD.itemsize * storages
+    tensors, dims, storages, _ = COUNTS.unpack_from(header)
+    end = COUNTS.size + TENSOR_RECORD.itemsize * tensors + 8 * dims + STORAGE_RECORD.itemsize * storages
     return end if end <= len(header) else None
 
 
@@ -246,7 +246,7 @@ def _split(data: bytes) -> tuple[bytes, Any, bytes] | None:
     tables_len = _tables_len(header)
     if tables_len is None:
         return None
-    split = tables_len + _COUNTS.unpack_from(header)[3]
+    split = tables_len + COUNTS.unpack_from(header)[3]
     try:
         structure, values = json.loads(header[tables_len:split]), json.loads(header[split:])
     except (ValueError, RecursionError):
@@ -274,8 +274,8 @@ def _join(tables: bytes, doc: Any) -> bytes:
         texts = [json.dumps(part, separators=(",", ":")).encode() for part in (structure, values)]
     else:
         texts = [json.dumps(doc, separators=(",", ":")).encode(), b""]
-    counts = _COUNTS.unpack_from(tables)[:3] if len(tables) >= _COUNTS.size else (0, 0, 0)
-    return _COUNTS.pack(*counts, len(texts[0])) + tables[_COUNTS.size :] + b"".join(texts)
+    counts = COUNTS.unpack_from(tables)[:3] if len(tables) >= COUNTS.size else (0, 0, 0)
+    return COUNTS.pack(*counts, len(texts[0])) + tables[COUNTS.size :] + b"".join(texts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +423,7 @@ def _rechecksum(data: bytes) -> bytes:
 
 
 def _storage_count(tables: bytes) -> int:
-    return int(_COUNTS.unpack_from(tables)[2])
+    return int(COUNTS.unpack_from(tables)[2])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,7 +173,7 @@ def test_a_kept_structure_with_too_little_padding_is_refused_as_too_dense() -> N
             cache.parse(short)
         assert str(cached.value) == messages[-1]
     # The last refusal came from the structure's charges, after the check before parsing.
-    assert "more than its bound (_parse_cost)" in messages[-1]
+    assert "more than its bound (text_parse_cost)" in messages[-1]
     assert cache.reused == 0
     assert_parsed_as_in_full(cache, data)
 

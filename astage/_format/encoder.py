@@ -28,7 +28,7 @@ from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .._util.timeslice import Steps, drive, iter_drop, slice_over
 from .body import in_blocks
 from .encoded import Encoded, StorageSegments, storage_columns, storage_views
-from .parse_bound import _joined_cost, _padding, _table_cost, _text_tokens, _Tokens, note_cost, scalars_cost
+from .parse_bound import Tokens, joined_cost, note_cost, pad_spaces, scalars_cost, tables_cost, text_tokens
 from .scalars import NUMPY_NAMES, json_text
 from .spec import (
     ALIGNMENT,
@@ -40,10 +40,10 @@ from .spec import (
     MAGIC,
     MAX_NDIM,
     NUMPY_DTYPES,
-    _align,
+    align_up,
     check_meta,
 )
-from .tables import _COUNTS, STORAGE_RECORD, _tensor_table
+from .tables import COUNTS, STORAGE_RECORD, pack_tensor_table
 from .tree_encoder import TreeEncoder, all_storable, iter_json_text
 
 
@@ -76,8 +76,8 @@ class FileLayout:
     nbytes: tuple[int, ...]
     body_nbytes: int
     charged: int
-    """What a reader charges to its parse budget beyond the counted tokens (_parse_cost)."""
-    structure_tokens: _Tokens
+    """What a reader charges to its parse budget beyond the counted tokens (text_parse_cost)."""
+    structure_tokens: Tokens
     """What :attr:`structure_json`'s tokens cost a reader: counted once, not for every
     header made from this layout (it is ~50 bytes of text a tensor)."""
     storage_table: np.ndarray[Any, Any]
@@ -119,32 +119,34 @@ class FileLayout:
 
     def header_parts(self, crcs: Sequence[int]) -> tuple[list[bytes], int]:
         """The header's pieces (tables, structure, values) with these storage checksums,
-        and the number of spaces that pad it (:func:`_padding`): joined once, in the prefix,
+        and the number of spaces that pad it (:func:`pad_spaces`): joined once, in the prefix,
         for a header that is mostly padding on many small tensors."""
         storages = self.storage_table.copy()
         storages["crc32c"] = crcs
         structure = self.structure_json.encode("ascii")
-        counts = _COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), len(structure))
+        counts = COUNTS.pack(self.num_tensors, self.num_dims, len(self.offsets), len(structure))
         values = self._values()
         binary = [counts, self.tables, storages.tobytes()]
         text_len, cost = self._text_cost(values)
-        return [*binary, structure, values], _padding(text_len, cost, sum(map(len, binary)), self._charged())
+        return [*binary, structure, values], pad_spaces(
+            text_len, cost, sum(map(len, binary)), self._charged()
+        )
 
     def header_nbytes(self) -> int:
         """The length of the header :meth:`header_parts` makes, padding included, without
         making it (no table is copied)."""
         text_len, cost = self._text_cost(self._values())
-        binary_len = _COUNTS.size + len(self.tables) + self.storage_table.nbytes
-        return binary_len + text_len + _padding(text_len, cost, binary_len, self._charged())
+        binary_len = COUNTS.size + len(self.tables) + self.storage_table.nbytes
+        return binary_len + text_len + pad_spaces(text_len, cost, binary_len, self._charged())
 
     def _text_cost(self, values: bytes) -> tuple[int, int]:
         """The JSON text's length and what its tokens cost (the structure's counted once)."""
         text_len = len(self.structure_json) + len(values)
-        return text_len, _joined_cost([self.structure_tokens, _text_tokens(values)], text_len)
+        return text_len, joined_cost([self.structure_tokens, text_tokens(values)], text_len)
 
     def _charged(self) -> int:
         """What a reader charges beyond the text's tokens: the tables and the structure."""
-        return self.charged + _table_cost(self.num_tensors, self.num_dims, len(self.offsets))
+        return self.charged + tables_cost(self.num_tensors, self.num_dims, len(self.offsets))
 
     def _values(self) -> bytes:
         """The values document: the metadata, then the scalar table."""
@@ -240,7 +242,7 @@ class _Structure:
     """A plan's structure document, its scalar table and what a reader charges for them."""
 
     text: str
-    tokens: _Tokens
+    tokens: Tokens
     scalars: tuple[Any, ...]
     charged: int
 
@@ -271,7 +273,7 @@ def _iter_structure(plan: StagePlan) -> Steps[_Structure]:
     text = yield from iter_json_text({"dtensors": dtensors, "tree": tree})
     del tree
     yield
-    tokens = _text_tokens(text.encode("ascii"))  # a few passes over the text
+    tokens = text_tokens(text.encode("ascii"))  # a few passes over the text
     yield
     return _Structure(text, tokens, tuple(tree_encoder.scalars), charged)
 
@@ -295,7 +297,7 @@ def _iter_tables(plan: StagePlan) -> Steps[tuple[bytes, int]]:
     tables: list[bytes] = []
     dims: list[bytes] = []
     for start in range(0, max(1, len(plan.tensors)), _TABLE_BLOCK):
-        table, dim = _tensor_table(plan.tensors[start : start + _TABLE_BLOCK])
+        table, dim = pack_tensor_table(plan.tensors[start : start + _TABLE_BLOCK])
         tables.append(table.tobytes())
         dims.append(dim.tobytes())
         if slice_over():
@@ -434,4 +436,4 @@ def join_prefix(header: Sequence[bytes]) -> bytes:
     for part in header:
         crc = crc32c.crc32c(part, crc)
     end = FIXED_PREFIX_NBYTES + nbytes + HEADER_CRC.size
-    return b"".join([fixed, *header, HEADER_CRC.pack(crc), bytes(_align(end) - end)])
+    return b"".join([fixed, *header, HEADER_CRC.pack(crc), bytes(align_up(end) - end)])

@@ -11,7 +11,7 @@ A header's structure is exactly its *structure bytes*
 the storage table without its checksums, and the structure document (the tree and its
 DTensor notes).  Its values (the metadata and the scalar table) are parsed and checked
 every time, as a full parse checks them; scalars that changed are put into the kept plan
-at their places (:func:`astage._format.scalars.scalar_trails`), the containers above them
+at their places (:func:`astage._staging.recheck.iter_scalar_trails`), the containers above them
 rebuilt.  The prefix itself (its length, checksum, padding and parse bound) is checked
 first, as always.  A header whose structure differs, or that a full parse might refuse, is
 parsed in full, so an error is raised exactly where ``parse_prefix`` raises it.
@@ -24,11 +24,13 @@ import logging
 from typing import Any
 
 from .._staging.plan import StagePlan
+from .._staging.recheck import Trail, iter_scalar_trails, plan_children
 from .._util.collector import without_gc
 from .._util.errors import IntegrityError
+from .._util.timeslice import drive
 from .header_parser import parse_values
 from .reader import CheckedPrefix, check_prefix, load_document, parse_checked
-from .scalars import Trail, changed_scalars, children, scalar_trails, with_scalars
+from .scalars import changed_scalars, with_scalars
 from .spec import FileHeader, Segments
 
 log = logging.getLogger("astage.format")
@@ -86,7 +88,7 @@ class HeaderCache:
         # The key is copied out of the prefix only now: the parse bound counts the text
         # once, so it must not be held twice through the parse.
         key = prefix.structure_key()
-        trails = scalar_trails(header.plan.root)
+        trails = drive(iter_scalar_trails(header.plan.root))
         scalars = tuple(_scalars(header.plan, trails))
         self._kept = _Kept(header, key, charged, scalars, trails)
         return header
@@ -98,7 +100,7 @@ def _scalars(plan: StagePlan, trails: tuple[Trail, ...]) -> list[Any]:
     for trail in trails:
         node: Any = plan.root
         for i in trail:
-            node = children(node)[i]
+            node = plan_children(node)[i]
         out.append(node.value)
     return out
 
@@ -116,7 +118,7 @@ def _reuse(kept: _Kept, prefix: CheckedPrefix) -> _Kept | None:
     changed = [(kept.trails[k], scalars[k]) for k in changed_scalars(kept.scalars, scalars)]
     plan = old.plan
     if changed:
-        plan = StagePlan(with_scalars(plan.root, changed), plan.tensors, plan.storages)
+        plan = dataclasses.replace(plan, root=with_scalars(plan.root, changed))
     records = prefix.tables.storages
     segments = Segments(records["offset"], records["nbytes"], records["crc32c"])
     log.debug("header of step %d parsed with the kept plan of step %d", meta["step"], old.step)

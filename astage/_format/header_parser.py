@@ -35,8 +35,8 @@ from .._util.limits import INT64 as _INT64
 from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .parse_bound import container_cost, namedtuple_cost, note_cost, path_cost, scalars_cost
 from .scalars import key_value, scalar_values
-from .spec import FORMAT_VERSION, ID_CAP, MAX_DEPTH, MAX_NDIM, DTensorNote, FileHeader, _fail
-from .tables import _check_tensor_table, _new_tuple, _storage_table, _Tables, _tensor_specs
+from .spec import FORMAT_VERSION, ID_CAP, MAX_DEPTH, MAX_NDIM, DTensorNote, FileHeader, header_error
+from .tables import RawTables, check_storage_table, check_tensor_table, new_tuple, tensor_specs
 from .tree_encoder import attr_name_ok, namedtuple_class
 
 _CPU: Final = torch.device("cpu")
@@ -63,29 +63,31 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _int(value: Any, where: str, lo: int = 0, hi: int = _INT64) -> int:
     if type(value) is not int or not lo <= value < hi:
-        raise _fail(where, f"expected an int in [{lo}, {hi}), got {value!r:.80}")
+        raise header_error(where, f"expected an int in [{lo}, {hi}), got {value!r:.80}")
     return value
 
 
 def _list(value: Any, where: str, length: int | None = None) -> list[Any]:
     if type(value) is not list or (length is not None and len(value) != length):
-        raise _fail(where, f"expected a list{'' if length is None else f' of {length}'}, got {value!r:.80}")
+        raise header_error(
+            where, f"expected a list{'' if length is None else f' of {length}'}, got {value!r:.80}"
+        )
     return value
 
 
 def _object(value: Any, where: str, keys: frozenset[str]) -> dict[str, Any]:
     if type(value) is not dict or value.keys() != keys:
-        raise _fail(where, f"expected an object with keys {sorted(keys)}, got {value!r:.120}")
+        raise header_error(where, f"expected an object with keys {sorted(keys)}, got {value!r:.120}")
     return value
 
 
 def _dims(value: Any, where: str, what: str) -> tuple[int, ...]:
     """A shape-like list: at most :data:`MAX_NDIM` ints in [0, 2**63)."""
     if type(value) is not list or len(value) > MAX_NDIM:
-        raise _fail(where, f"{what} must be a list of at most {MAX_NDIM} ints, got {value!r:.80}")
+        raise header_error(where, f"{what} must be a list of at most {MAX_NDIM} ints, got {value!r:.80}")
     for n in value:
         if type(n) is not int or not 0 <= n < _INT64:
-            raise _fail(where, f"{what} {value!r:.80} holds {n!r:.40}, not an int in [0, 2**63)")
+            raise header_error(where, f"{what} {value!r:.80} holds {n!r:.40}, not an int in [0, 2**63)")
     return tuple(value)
 
 
@@ -97,13 +99,13 @@ def parse_values(doc: Any) -> tuple[dict[str, Any], list[Any]]:
     """
     doc = _object(doc, "document values", VALUES_KEYS)
     if doc["format"] != FORMAT_VERSION or type(doc["format"]) is not int:
-        raise _fail("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
+        raise header_error("format", f"expected {FORMAT_VERSION}, got {doc['format']!r:.40}")
     checkpoint_id = doc["checkpoint_id"]
     if type(checkpoint_id) is not str or len(checkpoint_id) > ID_CAP:
-        raise _fail("checkpoint_id", f"expected a str of at most {ID_CAP} characters")
+        raise header_error("checkpoint_id", f"expected a str of at most {ID_CAP} characters")
     created = doc["created"]
     if type(created) is not float or not math.isfinite(created):
-        raise _fail("created", f"expected a finite float, got {created!r:.40}")
+        raise header_error("created", f"expected a finite float, got {created!r:.40}")
     holder = doc["holder_rank"]
     meta = {
         "owner_rank": _int(doc["owner_rank"], "owner_rank", 0, _RANK_LIMIT),
@@ -127,7 +129,7 @@ class HeaderParser:
         the text's tokens and the tables cost); :attr:`budget` is what is left after it.
     """
 
-    def __init__(self, prefix_len: int, budget: int, tables: _Tables) -> None:
+    def __init__(self, prefix_len: int, budget: int, tables: RawTables) -> None:
         self.prefix_len = prefix_len
         self.budget = budget
         self.tables = tables
@@ -146,13 +148,15 @@ class HeaderParser:
         root = self.node(tree, (), 0)
         del tree  # the JSON tree goes as soon as it is walked: the specs below are the peak
         if self.next_scalar != len(self.scalars):
-            raise _fail("scalars", f"{len(self.scalars)} scalars, the tree refers to {self.next_scalar}")
+            raise header_error(
+                "scalars", f"{len(self.scalars)} scalars, the tree refers to {self.next_scalar}"
+            )
         if None in self.paths:
-            raise _fail("tensors", f"tensor {self.paths.index(None)} is not referenced by the tree")
-        segments = _storage_table(self.tables.storages, meta["body_nbytes"])
-        columns = _check_tensor_table(self.tables, segments)
+            raise header_error("tensors", f"tensor {self.paths.index(None)} is not referenced by the tree")
+        segments = check_storage_table(self.tables.storages, meta["body_nbytes"])
+        columns = check_tensor_table(self.tables, segments)
         notes = self.dtensor_notes(doc["dtensors"], columns.records["kind"].tolist())
-        specs = _tensor_specs(columns, self.paths)  # type: ignore[arg-type]  # no None left
+        specs = tensor_specs(columns, self.paths)  # type: ignore[arg-type]  # no None left
         # Equal specs shared, like equal shapes (see astage._format.tables._shapes).
         sizes = segments.nbytes.tolist()
         shared = {nbytes: StorageSpec(nbytes, _CPU) for nbytes in set(sizes)}
@@ -164,14 +168,16 @@ class HeaderParser:
         last = -1
         for entry in _list(raw, "dtensors"):
             if type(entry) is not list or len(entry) != 3:
-                raise _fail("dtensors", f"expected [index, placements, global_shape], got {entry!r:.80}")
+                raise header_error(
+                    "dtensors", f"expected [index, placements, global_shape], got {entry!r:.80}"
+                )
             index, placements, global_shape = entry
             if type(index) is not int or not last < index < len(kinds) or kinds[index] >= 2:
-                raise _fail(
+                raise header_error(
                     "dtensors", f"index {index!r:.40} is not a later tensor of kind tensor or parameter"
                 )
             if type(placements) is not str:
-                raise _fail("dtensors", "placements must be a str")
+                raise header_error("dtensors", "placements must be a str")
             notes[index] = DTensorNote(placements, _dims(global_shape, "dtensors", "global_shape"))
             self.charge(note_cost(placements, len(global_shape)))
             last = index
@@ -180,13 +186,15 @@ class HeaderParser:
     def charge(self, nbytes: int) -> None:
         self.budget -= nbytes
         if self.budget < 0:
-            raise _fail("document", "too dense: parsing it would allocate more than its bound (_parse_cost)")
+            raise header_error(
+                "document", "too dense: parsing it would allocate more than its bound (text_parse_cost)"
+            )
 
     def scalar(self, raw: int, path: KeyPath) -> AtomNode:
         """The leaf ``raw`` refers to: the next entry of the scalar table, and only it."""
         k = self.next_scalar
         if raw != k or k >= len(self.scalars):
-            raise _fail(_where(path), f"scalar {raw} where the table's entry {k} comes next")
+            raise header_error(_where(path), f"scalar {raw} where the table's entry {k} comes next")
         self.next_scalar = k + 1
         return AtomNode(self.scalars[k])
 
@@ -195,7 +203,7 @@ class HeaderParser:
             return self.scalar(raw, path)
         where = _where(path)
         if type(raw) is not list or not raw:
-            raise _fail(where, f"expected a node, got {raw!r:.80}")
+            raise header_error(where, f"expected a node, got {raw!r:.80}")
         tag = raw[0]
         if tag == "tensor" and len(raw) == 2 and type(raw[1]) is int and 0 <= raw[1] < len(self.paths):
             index = raw[1]
@@ -206,14 +214,14 @@ class HeaderParser:
         if tag == "ref":
             return RefNode(_int(_list(raw, where, 2)[1], where, 0, self.containers))
         if depth >= MAX_DEPTH:
-            raise _fail(where, f"containers nested deeper than {MAX_DEPTH} levels")
+            raise header_error(where, f"containers nested deeper than {MAX_DEPTH} levels")
         node: Node
         if tag in ("dict", "odict"):
             node = self.dict_node(raw, path, depth, where)
         elif tag in ("list", "tuple", "namedtuple"):
             node = self.seq_node(raw, path, depth, where)
         else:
-            raise _fail(where, f"unknown or malformed node {raw!r:.80}")
+            raise header_error(where, f"unknown or malformed node {raw!r:.80}")
         self.charge(_CONTAINER_COST)
         self.containers += 1
         return node
@@ -228,7 +236,7 @@ class HeaderParser:
             keys = [key_value(k, where) for k in keys]
             distinct = len(set(keys))
         if distinct != len(keys):
-            raise _fail(where, "duplicate dict key")
+            raise header_error(where, "duplicate dict key")
         if type(values) is int:
             nodes = self.run(keys, values, path, where)
         else:
@@ -254,7 +262,7 @@ class HeaderParser:
         met here first."""
         nodes = self.take_run(keys, first, len(keys), path) if keys else None
         if nodes is None:
-            raise _fail(where, f"tensors {first!r:.40}.. are not {len(keys)} tensors met here first")
+            raise header_error(where, f"tensors {first!r:.40}.. are not {len(keys)} tensors met here first")
         return nodes
 
     def take_run(self, keys: Iterable[Any], first: int, count: int, path: KeyPath) -> tuple[Node, ...] | None:
@@ -310,7 +318,7 @@ class HeaderParser:
         paths = self.paths
         for index, child in zip(indices, children, strict=True):
             paths[index] = child
-        return tuple(map(_new_tuple, repeat(TensorNode), zip(indices)))
+        return tuple(map(new_tuple, repeat(TensorNode), zip(indices)))
 
     def claim(self, indices: tuple[int, ...]) -> bool:
         """Whether ``indices`` (ints) are distinct tensors not yet referenced."""
@@ -324,7 +332,7 @@ class HeaderParser:
     ) -> tuple[Node, ...]:
         # Tensor references are the bulk of a tree: checked inline (the same checks as
         # node()), a key path made only for a tensor's first reference, the budget kept in a
-        # local between nested calls, each node one tuple.__new__ (see _tensor_table).
+        # local between nested calls, each node one tuple.__new__ (see pack_tensor_table).
         out: list[Node] = []
         append = out.append
         paths = self.paths
@@ -341,7 +349,7 @@ class HeaderParser:
                         if budget < 0:
                             self.budget = budget
                             self.charge(0)  # raises
-                    append(_new_tuple(TensorNode, (index,)))
+                    append(new_tuple(TensorNode, (index,)))
                     continue
             self.budget = budget
             append(self.node(raw, (*path, key), depth + 1))
@@ -351,14 +359,14 @@ class HeaderParser:
 
     def attrs(self, raw: Any, path: KeyPath, depth: int) -> tuple[tuple[str, Node], ...]:
         if type(raw) is not dict or not raw or not all(attr_name_ok(name) for name in raw):
-            raise _fail(
+            raise header_error(
                 _where(path), f"attributes must be a non-empty object of plain names, got {raw!r:.80}"
             )
         return tuple((name, self.node(v, (*path, Attr(name)), depth + 1)) for name, v in raw.items())
 
     def namedtuple(self, typename: Any, fields: list[Any], where: str) -> type:
         if type(typename) is not str or not all(type(f) is str for f in fields):
-            raise _fail(where, "namedtuple name and fields must be strs")
+            raise header_error(where, "namedtuple name and fields must be strs")
         key = (typename, tuple(fields))
         known = self.namedtuples.get(key)
         if known is not None:
@@ -367,6 +375,6 @@ class HeaderParser:
             self.charge(namedtuple_cost(typename, fields))
             made = namedtuple_class(typename, fields)
         except (ValueError, TypeError) as exc:
-            raise _fail(where, f"invalid namedtuple: {exc}") from exc
+            raise header_error(where, f"invalid namedtuple: {exc}") from exc
         self.namedtuples[key] = made
         return made

@@ -37,7 +37,7 @@ class NodeCost(NamedTuple):
 
 
 NODE_COSTS: Final[Mapping[str, NodeCost]] = {
-    # The JSON text's tokens, counted before the parse (:func:`_text_tokens`): a value is
+    # The JSON text's tokens, counted before the parse (:func:`text_tokens`): a value is
     # a pointer in its JSON list, an object (an int, a float, an AtomNode in the plan) and
     # its slot in a plan tuple; a quote pair is a str object; a colon is an object member
     # (a pair tuple while the object is built, a dict slot after); a digit, a long int's.
@@ -110,7 +110,7 @@ def scalars_cost(count: int) -> int:
     return NODE_COSTS["scalar"].base * count
 
 
-def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
+def text_parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
     """An upper bound on what parsing JSON header text ``raw`` allocates, its padding included.
 
     Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
@@ -120,25 +120,25 @@ def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
     to four bytes a character.  Tensor key paths, namedtuple classes and DTensor notes
     depend on the structure, so the parser charges them as it meets them
     (:class:`~astage._format.header_parser.HeaderParser`) and the encoder counts them the same
-    way (:class:`~astage._format.tree_encoder.TreeEncoder`).  ``unpadded``: the :func:`_unpadded_len`
+    way (:class:`~astage._format.tree_encoder.TreeEncoder`).  ``unpadded``: the :func:`unpadded_len`
     of ``raw``, where the caller has it.
     """
     if unpadded is None:
-        unpadded = _unpadded_len(raw)
+        unpadded = unpadded_len(raw)
     text = bytes(raw[:unpadded])  # the padding holds no tokens: not scanned (or copied)
-    return len(raw) - unpadded + _joined_cost([_text_tokens(text)], unpadded)
+    return len(raw) - unpadded + joined_cost([text_tokens(text)], unpadded)
 
 
-class _Tokens(NamedTuple):
-    """What a piece of header text's tokens cost (:func:`_parse_cost`), and whether it
-    holds a backslash-u escape: a text's cost is its pieces' summed (:func:`_joined_cost`)."""
+class Tokens(NamedTuple):
+    """What a piece of header text's tokens cost (:func:`text_parse_cost`), and whether it
+    holds a backslash-u escape: a text's cost is its pieces' summed (:func:`joined_cost`)."""
 
     cost: int
     escapes: bool
 
 
-def _text_tokens(text: bytes) -> _Tokens:
-    """The :class:`_Tokens` of ``text``, which has no padding."""
+def text_tokens(text: bytes) -> Tokens:
+    """The :class:`Tokens` of ``text``, which has no padding."""
     values = text.count(b",") + text.count(b"[") + text.count(b"{")
     digits = len(text) - len(text.translate(None, _DIGITS))
     cost = (
@@ -147,17 +147,17 @@ def _text_tokens(text: bytes) -> _Tokens:
         + _COST_MEMBER * text.count(b":")
         + _COST_DIGIT * digits
     )
-    return _Tokens(cost, b"\\" in text and b"\\u" in text)  # a byte is found faster than two
+    return Tokens(cost, b"\\" in text and b"\\u" in text)  # a byte is found faster than two
 
 
-def _joined_cost(pieces: Sequence[_Tokens], length: int) -> int:
-    """:func:`_parse_cost` of an unpadded text of ``length`` bytes made of these pieces
+def joined_cost(pieces: Sequence[Tokens], length: int) -> int:
+    """:func:`text_parse_cost` of an unpadded text of ``length`` bytes made of these pieces
     (joined where no escape can straddle two of them)."""
     escapes = any(piece.escapes for piece in pieces)
     return length + (5 if escapes else 2) * length + _COST_VALUE + sum(piece.cost for piece in pieces)
 
 
-def _unpadded_len(raw: bytes | memoryview) -> int:
+def unpadded_len(raw: bytes | memoryview) -> int:
     """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes.
 
     Compared eight bytes at a time, in blocks that double from the end (a header's padding
@@ -177,34 +177,34 @@ def _unpadded_len(raw: bytes | memoryview) -> int:
     return len(bytes(raw[:end]).rstrip(b" "))
 
 
-def _table_cost(tensors: int, dims: int, storages: int) -> int:
+def tables_cost(tensors: int, dims: int, storages: int) -> int:
     """What parsing tables of these sizes allocates: checks and Python objects."""
     return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
 
 
-def _parse_budget(
+def parse_budget(
     header_len: int, text: bytes | memoryview, table_cost: int, unpadded: int | None = None
 ) -> int:
     """What is left for the structure-dependent charges; negative: refuse the header.
 
     ``header_len`` is the whole header, ``text`` its JSON (after the tables), ``unpadded``
-    as :func:`_parse_cost`.
+    as :func:`text_parse_cost`.
     """
     if unpadded is None:
-        unpadded = _unpadded_len(text)
+        unpadded = unpadded_len(text)
     held = header_len - (len(text) - unpadded)
-    return _budget(header_len, _parse_cost(text, unpadded) + table_cost, held)
+    return _budget(header_len, text_parse_cost(text, unpadded) + table_cost, held)
 
 
 def _budget(header_len: int, cost: int, held: int) -> int:
     """The bound less ``cost`` and ``held``, the header without its padding (which
-    :func:`_parse_cost` charges once already): the bytes a reader holds through the parse."""
+    :func:`text_parse_cost` charges once already): the bytes a reader holds through the parse."""
     return PARSE_AMPLIFICATION * header_len + PARSE_SLACK - cost - held
 
 
-def _padding(text_len: int, text_cost: int, binary_len: int, charged: int) -> int:
+def pad_spaces(text_len: int, text_cost: int, binary_len: int, charged: int) -> int:
     """How many trailing spaces make a header fit :data:`PARSE_AMPLIFICATION`: its JSON text
-    is ``text_len`` bytes and costs ``text_cost`` (:func:`_parse_cost`, unpadded).
+    is ``text_len`` bytes and costs ``text_cost`` (:func:`text_parse_cost`, unpadded).
 
     A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
     ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is

@@ -18,7 +18,7 @@ import crc32c
 from .._util.collector import promote, without_gc
 from .._util.errors import IntegrityError
 from .header_parser import HeaderParser, reject_constant, unique_keys
-from .parse_bound import _parse_budget, _parse_cost, _table_cost, _unpadded_len
+from .parse_bound import parse_budget, tables_cost, text_parse_cost, unpadded_len
 from .spec import (
     FIXED_FIELDS,
     FIXED_PREFIX_NBYTES,
@@ -26,10 +26,10 @@ from .spec import (
     HEADER_CRC,
     MAGIC,
     FileHeader,
-    _align,
+    align_up,
     check_version,
 )
-from .tables import _split_tables, _Tables
+from .tables import RawTables, split_tables
 
 
 def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
@@ -50,7 +50,7 @@ def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
     check_version(version)
     if header_len > HEADER_CAP:
         raise IntegrityError(f"header length {header_len} is over the {HEADER_CAP}-byte cap")
-    return _align(FIXED_PREFIX_NBYTES + header_len + HEADER_CRC.size)
+    return align_up(FIXED_PREFIX_NBYTES + header_len + HEADER_CRC.size)
 
 
 @without_gc
@@ -73,7 +73,7 @@ class CheckedPrefix:
     """
 
     total: int
-    tables: _Tables
+    tables: RawTables
     structure: str
     values: str
     budget: int
@@ -108,15 +108,15 @@ def check_prefix(data: bytes | bytearray | memoryview) -> CheckedPrefix:
         raise IntegrityError("non-zero bytes in the prefix padding")
     # Views, not copies: most of a many-tensor header is padding, which is only counted.
     raw = view[FIXED_PREFIX_NBYTES:header_end]
-    tables = _split_tables(raw)
+    tables = split_tables(raw)
     json_raw = raw[tables.nbytes :]
-    table_cost = _table_cost(*tables.counts)
-    unpadded = _unpadded_len(json_raw)
-    budget = _parse_budget(header_len, json_raw, table_cost, unpadded)
+    table_cost = tables_cost(*tables.counts)
+    unpadded = unpadded_len(json_raw)
+    budget = parse_budget(header_len, json_raw, table_cost, unpadded)
     if budget < 0:
         raise IntegrityError(
             f"header of {header_len} bytes is too dense: parsing it could allocate "
-            f"{_parse_cost(json_raw, unpadded) + table_cost} bytes, more than its bound (docs/format.md)"
+            f"{text_parse_cost(json_raw, unpadded) + table_cost} bytes, more than its bound (docs/format.md)"
         )
     split = tables.structure_len
     if split > unpadded:

@@ -5,9 +5,10 @@ Every leaf of a staged tree that is not a tensor (a learning rate, a step count,
 order a walk of the tree meets it (a dict's values, then its attributes; a sequence's
 items), into the header's scalar table; the tree refers to entry ``k`` by the int ``k``,
 and the ``k``-th leaf met is entry ``k``.  That index is the one name of a scalar: the
-stager's patch slots (:class:`astage._staging.recheck.AtomSlots`) number their scalars the
-same way, the layout cache replaces an entry by it, and the holder's header cache finds a
-changed entry's place in a kept plan by it (:func:`scalar_trails`).
+stager's patch slots (:class:`astage._staging.recheck.AtomSlots`) number their scalars by
+the same walk (:func:`astage._staging.recheck.iter_scalar_trails`, which gives each its
+place), the layout cache replaces an entry by it, and the holder's header cache puts a
+changed entry into a kept plan at that walk's trail (:func:`with_scalars`).
 
 Values keep their exact type and value: ints of any size up to :data:`INT_BITS_CAP` bits,
 ``-0.0``, non-finite floats (tagged), strs with any character (``\\u``-escaped), numpy
@@ -30,14 +31,17 @@ import numpy as np
 import torch
 
 from .._staging.plan import AtomNode, DictNode, Node, SeqNode
+from .._staging.recheck import Trail, plan_children
 from .._util.limits import INT64 as _INT64
-from .spec import DTYPES, MAX_NDIM, NUMPY_DTYPES, _fail
+from .spec import DTYPES, MAX_NDIM, NUMPY_DTYPES, header_error
 
 INT_BITS_CAP: Final = 13_000
 """Largest int a header holds, in bits: below CPython's 4300-digit int/str conversion limit."""
 
 PLAIN: Final = (type(None), bool, int, float, str)
 """The types whose JSON form is (but for non-finite floats) the value itself."""
+
+_PLAIN_TYPES: Final = frozenset(PLAIN)
 
 TAGS: Final = frozenset({"bytes", "complex", "size", "dtype", "device", "numpy"})
 """The tags of the scalar entries that are not plain JSON values."""
@@ -200,7 +204,7 @@ def key_value(raw: Any, where: str) -> Any:
         return raw
     if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in NONFINITE:
         return NONFINITE[raw[1]]
-    raise _fail(where, f"expected a JSON scalar, got {raw!r:.80}")
+    raise header_error(where, f"expected a JSON scalar, got {raw!r:.80}")
 
 
 def scalar_value(raw: Any, where: str) -> Any:
@@ -212,13 +216,13 @@ def scalar_value(raw: Any, where: str) -> Any:
         return key_value(raw, where)
     tag = raw[0]
     if type(tag) is not str or tag not in TAGS:
-        raise _fail(where, f"unknown scalar {raw!r:.80}")
+        raise header_error(where, f"unknown scalar {raw!r:.80}")
     try:
         value = _LEAF_DECODERS[tag](*raw[1:])
     except (TypeError, ValueError, OverflowError, RuntimeError, binascii.Error) as exc:
-        raise _fail(where, f"malformed {tag} scalar {raw!r:.80}: {exc}") from exc
+        raise header_error(where, f"malformed {tag} scalar {raw!r:.80}: {exc}") from exc
     if value is None:
-        raise _fail(where, f"malformed {tag} scalar {raw!r:.80}")
+        raise header_error(where, f"malformed {tag} scalar {raw!r:.80}")
     return value
 
 
@@ -228,8 +232,8 @@ def scalar_values(raw: Any) -> list[Any]:
     :raises IntegrityError: not a list, or an entry :func:`scalar_value` refuses.
     """
     if type(raw) is not list:
-        raise _fail("scalars", f"expected a list, got {raw!r:.80}")
-    if all(type(item) in PLAIN for item in raw):  # the common case: no tagged entry
+        raise header_error("scalars", f"expected a list, got {raw!r:.80}")
+    if set(map(type, raw)) <= _PLAIN_TYPES:  # the common case: no tagged entry
         return raw
     return [scalar_value(item, f"scalars[{k}]") for k, item in enumerate(raw)]
 
@@ -267,39 +271,9 @@ def changed_scalars(old: Sequence[Any], new: Sequence[Any]) -> list[int]:
     return [i for i in suspects if not same_scalar(old[i], new[i])]
 
 
-# -- where each scalar sits in a plan -------------------------------------------------------
-
-Trail = tuple[int, ...]
-"""Child positions from a plan's root down to a scalar (:func:`children`)."""
-
-
-def children(node: Node) -> tuple[Node, ...]:
-    """A container's children in walk order: a dict's values, then its attributes'."""
-    if type(node) is DictNode:
-        return node.values + tuple(value for _, value in node.attrs) if node.attrs else node.values
-    if type(node) is SeqNode:
-        return node.items
-    return ()
-
-
-def scalar_trails(root: Node) -> tuple[Trail, ...]:
-    """Each scalar table entry's trail in a plan, in table order: the walk the encoder
-    numbers them by (a container met again is a reference, not walked again)."""
-    if type(root) is AtomNode:
-        return ((),)
-    out: list[Trail] = []
-    stack: list[tuple[Trail, tuple[Node, ...], int]] = [((), children(root), 0)]
-    while stack:
-        trail, nodes, at = stack.pop()
-        for i in range(at, len(nodes)):
-            child = nodes[i]
-            if type(child) is AtomNode:
-                out.append((*trail, i))
-            elif type(child) is DictNode or type(child) is SeqNode:
-                stack.append((trail, nodes, i + 1))
-                stack.append(((*trail, i), children(child), 0))
-                break
-    return tuple(out)
+# -- putting changed scalars into a plan ---------------------------------------------------
+# (Each scalar's place is its trail: astage._staging.recheck.iter_scalar_trails, the walk
+# that numbers them.)
 
 
 def with_scalars(root: Node, changed: Sequence[tuple[Trail, Any]]) -> Node:
@@ -308,7 +282,7 @@ def with_scalars(root: Node, changed: Sequence[tuple[Trail, Any]]) -> Node:
     if len(changed) == 1 and not changed[0][0]:  # the root itself is the scalar
         return AtomNode(changed[0][1])
     if isinstance(root, DictNode):
-        new = _replaced(children(root), changed)
+        new = _replaced(plan_children(root), changed)
         count = len(root.values)
         attrs = tuple((name, value) for (name, _), value in zip(root.attrs, new[count:], strict=True))
         return dataclasses.replace(root, values=new[:count], attrs=attrs)

@@ -51,7 +51,7 @@ HEADER_CRC: Final = struct.Struct("<I")
 PARSE_AMPLIFICATION: Final = 4
 """Parsing a header allocates at most this many times its length (plus
 :data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
-encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
+encoder pads every header with spaces to fit (see :func:`text_parse_cost`)."""
 
 PARSE_SLACK: Final = 256 << 10
 """Fixed allowance on top of the amplification bound: frames, small tables."""
@@ -319,11 +319,11 @@ def check_meta(
         raise ConfigurationError(f"created must be a finite timestamp, got {created!r}")
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
     """``n`` rounded up to :data:`ALIGNMENT`."""
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-def _fail(where: str, message: str) -> IntegrityError:
+def header_error(where: str, message: str) -> IntegrityError:
     """The error for a malformed header field: ``header <where>: <message>``."""
     return IntegrityError(f"header {where}: {message}")

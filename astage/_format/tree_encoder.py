@@ -30,7 +30,7 @@ from .._util.timeslice import Steps, slice_over
 from .parse_bound import container_cost, namedtuple_cost, path_cost
 from .scalars import json_text, key_json, scalar_json
 from .spec import DTYPES, MAX_DEPTH, MAX_NDIM, flag_bits, tensor_refused
-from .tables import _any_refused
+from .tables import any_refused
 
 _DTYPE_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _VERBATIM: Final = frozenset({type(None), bool, str})
@@ -75,7 +75,7 @@ class TreeEncoder:
         self.memo: dict[int, int] = {}  # plan memo -> post-order container number
         self.seen: set[int] = set()
         self.namedtuples: set[tuple[str, tuple[str, ...]]] = set()
-        self.charged = 0  # what the reader will charge to its parse budget, see _parse_cost
+        self.charged = 0  # what the reader will charge to its parse budget, see text_parse_cost
         self.scalars: list[Any] = []  # the scalar table: each leaf's entry, in walk order
         # Then no tensor needs _check_tensor.  A caller that checked it already says so.
         self.storable = all_storable(plan.tensors) if storable is None else storable
@@ -326,5 +326,5 @@ def all_storable(specs: Sequence[TensorSpec]) -> bool:
         set(map(attrgetter("dtype"), specs)) <= _DTYPE_NAMES.keys()
         and max(map(len, map(attrgetter("size"), specs)), default=0) <= MAX_NDIM
         and list(map(attrgetter("attrs"), specs)).count(None) == len(specs)
-        and not _any_refused(specs)
+        and not any_refused(specs)
     )

@@ -29,7 +29,6 @@ from typing import Any, cast
 
 import torch
 
-from .._util.errors import Attr
 from .._util.timeslice import Steps, iter_distinct, slice_over
 from .plan import (
     AtomNode,
@@ -113,23 +112,61 @@ _PATCHABLE: frozenset[type] = frozenset({type(None), bool, int, float, complex, 
 updates every step (a learning rate under a scheduler, a step count, a loss, a tag)."""
 
 
+Trail = tuple[int, ...]
+"""A leaf's place in a plan: the child positions (:func:`plan_children`) from the root down."""
+
+
+def plan_children(node: Node) -> tuple[Node, ...]:
+    """A container's children in walk order: a dict's values, then its attributes'."""
+    if type(node) is DictNode:
+        return node.values + tuple(value for _, value in node.attrs) if node.attrs else node.values
+    if type(node) is SeqNode:
+        return node.items
+    return ()
+
+
+def iter_scalar_trails(root: Node) -> Steps[tuple[Trail, ...]]:
+    """Every atom's trail in a plan, numbered in walk order (a dict's values, then its
+    attributes; a sequence's items; a container met again is a reference, not walked
+    again), in time slices.  The one numbering of a plan's scalars: a checkpoint file's
+    scalar table (:mod:`astage._format.scalars`) and :class:`AtomSlots` use it."""
+    if type(root) is AtomNode:
+        return ((),)
+    out: list[Trail] = []
+    stack: list[tuple[Trail, tuple[Node, ...], int]] = [((), plan_children(root), 0)]
+    while stack:
+        trail, nodes, at = stack.pop()
+        for i in range(at, len(nodes)):
+            child = nodes[i]
+            if type(child) is AtomNode:
+                out.append((*trail, i))
+            elif type(child) is DictNode or type(child) is SeqNode:
+                stack.append((trail, nodes, i + 1))
+                stack.append(((*trail, i), plan_children(child), 0))
+                break
+        if slice_over():
+            yield
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AtomSlots:
     """Where a plan's patchable atoms sit: each one directly in a plain dict or a list (its
     *slot*), so a staged tree can take a new value in place (:func:`set_atoms`).
 
-    A slot is named by the atom's number in a walk of the plan (a dict's values, then its
-    attributes; a sequence's items; every atom counted): the index of its entry in a
-    checkpoint file's scalar table (:mod:`astage._format.scalars`), so a patch names the
-    same scalar for the stager, the layout cache and the file.  An atom in a tuple, or in
-    an object's attributes, has no slot: a change there re-plans.
+    A slot is named by the atom's number in the walk of :func:`iter_scalar_trails` (every
+    atom counted): the index of its entry in a checkpoint file's scalar table, so a patch
+    names the same scalar for the stager, the layout cache and the file, and its place is
+    that walk's trail.  An atom in a tuple, or in an object's attributes, has no slot: a
+    change there re-plans.
     """
 
     by_values: dict[int, tuple[int, ...]]
     """``id(node.values or node.items)`` -> the slot of each position, ``-1`` for none."""
-    paths: Mapping[int, tuple[Any, ...]]
-    """Each slot's path from the root: keys, list indices and :class:`Attr` entries to its
-    container, then its key or index there."""
+    trails: Mapping[int, Trail] = dataclasses.field(default_factory=dict)
+    """Each slot's trail in :attr:`root`."""
+    root: Node | None = None
+    """The plan's root: what names each step of a trail in a staged tree."""
     nodes: Mapping[int, AtomNode] = dataclasses.field(default_factory=dict)
     """The plan's :class:`AtomNode` at each slot (its ``value`` is the plan's)."""
     count: int = 0
@@ -160,7 +197,7 @@ class FastPlan:
     ones that can be one tensor object at two positions and pass the storage check."""
     meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
     """The same for ``meta_only`` checks (a staged copy's tensors: offsets, no attributes)."""
-    atoms: AtomSlots = AtomSlots({}, {})
+    atoms: AtomSlots = AtomSlots({})
     """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
     storage_of: Sequence[int] = ()
     """Each planned tensor's storage index, in plan order (a column made once per plan)."""
@@ -252,24 +289,22 @@ _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
 
 class _SlotsMade:
     """:class:`AtomSlots` as :func:`_eligible` finds them: every atom numbered in walk order
-    (a dict's values, then its attributes; a sequence's items), as the checkpoint file's
-    scalar table numbers them, and the patchable ones given that number as their slot."""
+    (as :func:`iter_scalar_trails` numbers them), and the patchable ones given that number
+    as their slot."""
 
     def __init__(self) -> None:
         self.by_values: dict[int, tuple[int, ...]] = {}
-        self.paths: dict[int, tuple[Any, ...]] = {}
         self.nodes: dict[int, AtomNode] = {}
         self.count = 0
 
-    def add(self, path: tuple[Any, ...], node: AtomNode, slots: list[int] | None, i: int) -> None:
-        """Number atom ``node``, child ``i`` of the container at ``path``; where ``slots``
-        (that container's slots: a dict's values or a list's items) is given and the value
-        can be patched, it is a slot of that number."""
+    def add(self, node: AtomNode, slots: list[int] | None, i: int) -> None:
+        """Number atom ``node``, child ``i`` of its container; where ``slots`` (that
+        container's slots: a dict's values or a list's items) is given and the value can be
+        patched, it is a slot of that number."""
         k = self.count
         self.count = k + 1
         if slots is not None and i < len(slots) and type(node.value) in _PATCHABLE:
             slots[i] = k
-            self.paths[k] = path
             self.nodes[k] = node
 
     def close(self, nodes: tuple[Node, ...], slots: list[int] | None) -> None:
@@ -277,9 +312,12 @@ class _SlotsMade:
         if slots is not None and any(k >= 0 for k in slots):
             self.by_values[id(nodes)] = tuple(slots)
 
-    def made(self, root: Node) -> AtomSlots:
-        count = 1 if type(root) is AtomNode else self.count
-        return AtomSlots(self.by_values, self.paths, self.nodes, count)
+    def iter_made(self, root: Node) -> Steps[AtomSlots]:
+        """The slots, each with its trail (``{}`` where the walks disagree: no patches)."""
+        trails = yield from iter_scalar_trails(root)
+        if len(trails) != (1 if type(root) is AtomNode else self.count):
+            return AtomSlots({})  # pragma: no cover - one walk order, counted twice
+        return AtomSlots(self.by_values, {k: trails[k] for k in self.nodes}, root, self.nodes, len(trails))
 
 
 def _eligible(
@@ -287,7 +325,6 @@ def _eligible(
     key_types: dict[int, tuple[type, ...]],
     runs: dict[int, int],
     slots: _SlotsMade,
-    path: tuple[Any, ...] = (),
 ) -> Steps[bool]:
     """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
     tuples, immutable atoms and tensors, Parameters or DTensors without attributes only
@@ -307,19 +344,16 @@ def _eligible(
             if not _all_tensor_nodes(values):
                 here = [-1] * len(values)
             children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
-            steps: Sequence[Any] = keys + tuple(Attr(name) for name, _ in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
             if cls is list and not _all_tensor_nodes(items):
                 here = [-1] * len(items)
-            children, steps = items, range(len(items))
+            children = items
         case _:
             return False
-    for i, (step, child) in enumerate(zip(steps, children, strict=True)):
+    for i, child in enumerate(children):
         if type(child) is AtomNode:
-            slots.add((*path, step), child, here, i)
-        elif type(child) is not TensorNode and not (
-            yield from _eligible(child, key_types, runs, slots, (*path, step))
-        ):
+            slots.add(child, here, i)
+        elif type(child) is not TensorNode and not (yield from _eligible(child, key_types, runs, slots)):
             return False
         if slice_over():  # an optimizer's state: thousands of small dicts
             yield
@@ -361,6 +395,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     slots = _SlotsMade()
     if not (yield from _eligible(plan.root, key_types, runs, slots)):
         return None
+    atoms = yield from slots.iter_made(plan.root)
     # The signatures are what tensor_signature() would read from the sources, built from
     # what the plan recorded of them: no tensor is asked again.
     cdata: list[int] = []
@@ -430,7 +465,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         nbytes,
         runs,
         shared=shared,
-        atoms=slots.made(plan.root),
+        atoms=atoms,
         storage_of=of,
         dtensors=dtensors,
         meta_signatures=meta_signatures,
@@ -761,16 +796,24 @@ def iter_match(
 
 
 def set_atoms(tree: Any, atoms: AtomSlots, values: Iterable[tuple[int, Any]]) -> None:
-    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of).
+    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of),
+    following the slot's trail: each step names the key, index or attribute the plan has
+    at that position.
 
     Only where the slot is: a key or index that is gone raises ``LookupError`` (setting the
     key would add it back, at the end of its dict).
     """
     for slot, value in values:
-        *steps, last = atoms.paths[slot]
+        *steps, last = atoms.trails[slot]
+        node: Any = atoms.root
         container = tree
-        for step in steps:
-            container = getattr(container, step.name) if type(step) is Attr else container[step]
-        if type(container) is not list and last not in container:
-            raise KeyError(last)
-        container[last] = value
+        for i in steps:
+            if type(node) is DictNode and i >= len(node.values):
+                container = getattr(container, node.attrs[i - len(node.values)][0])
+            else:
+                container = container[node.keys[i] if type(node) is DictNode else i]
+            node = plan_children(node)[i]
+        key = node.keys[last] if type(node) is DictNode else last
+        if type(container) is not list and key not in container:
+            raise KeyError(key)
+        container[key] = value
