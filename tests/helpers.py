@@ -396,9 +396,13 @@ def collections_started() -> Iterator[list[int]]:
 # -- the checkpoint file's JSON tree ------------------------------------------------------------
 
 
-def expand_tensor_runs(node: Any) -> Any:
-    """A version-4 JSON tree with its tensor runs written out, as versions 1 to 3 wrote them:
-    ``["dict", keys, first]`` becomes ``["dict", keys, [["tensor", first], ...]]``."""
+def expand_tensor_runs(node: Any, scalar: Callable[[int], Any] | None = None) -> Any:
+    """A JSON tree with its tensor runs written out, as versions 1 to 3 wrote them:
+    ``["dict", keys, first]`` becomes ``["dict", keys, [["tensor", first], ...]]``; with
+    ``scalar``, each scalar reference (an int) becomes ``scalar(index)``, as versions up to
+    5 wrote scalars in the tree."""
+    if type(node) is int and scalar is not None:
+        return scalar(node)
     if type(node) is not list or not node:
         return node
     tag = node[0]
@@ -407,11 +411,13 @@ def expand_tensor_runs(node: Any) -> Any:
         if type(values) is int:
             values = [["tensor", values + k] for k in range(len(keys))]
         else:
-            values = [expand_tensor_runs(v) for v in values]
-        attrs = [{name: expand_tensor_runs(v) for name, v in node[3].items()}] if len(node) == 4 else []
+            values = [expand_tensor_runs(v, scalar) for v in values]
+        attrs = (
+            [{name: expand_tensor_runs(v, scalar) for name, v in node[3].items()}] if len(node) == 4 else []
+        )
         return [tag, keys, values, *attrs]
     if tag in ("list", "tuple"):
-        return [tag, [expand_tensor_runs(v) for v in node[1]]]
+        return [tag, [expand_tensor_runs(v, scalar) for v in node[1]]]
     if tag == "namedtuple":
-        return [*node[:3], [expand_tensor_runs(v) for v in node[3]]]
+        return [*node[:3], [expand_tensor_runs(v, scalar) for v in node[3]]]
     return node

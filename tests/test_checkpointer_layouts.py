@@ -23,6 +23,7 @@ import torch
 
 import astage
 import astage._format.codec
+import astage._format.encoder
 import astage._format.layouts
 from astage._format.codec import FileLayout, iter_lay_out, lay_out
 from astage._format.layouts import LayoutCache, PendingLayout
@@ -163,6 +164,29 @@ async def test_a_changed_scalar_re_uses_the_layout_with_the_text_a_full_lay_out_
         assert_same_layout(layout, lay_out(staged, owner_rank=0, step=step, checkpoint_id=ID))
 
 
+async def test_a_changed_scalar_replaces_its_table_entry_and_leaves_the_structure_as_it_was() -> None:
+    # The kept structure document is re-used as it is (no text cut, joined or re-made); the
+    # stager's patch slot is the scalar's index in the table, as a walk numbers them (a
+    # dict's values, nested containers and tuples met on the way counted too).
+    staged = tree()
+    staged["first"] = {"deep": [7, (8, 9)], "more": {"x": 10}}
+    cache = await kept_cache(staged)
+    kept = lay_out(staged, owner_rank=0, step=1, checkpoint_id=ID)
+    staged["first"]["more"]["x"] = 11
+    staged["nested"]["lr"] = 0.125
+    staged["first"]["deep"][0] = "seven"
+    pending = await cache.lay_out(staged, step=2, checkpoint_id=ID)
+    assert isinstance(pending, PendingLayout)
+    layout = await pending.complete()
+    assert layout is not None
+    want = lay_out(staged, owner_rank=0, step=2, checkpoint_id=ID)
+    assert_same_layout(layout, want)
+    assert layout.structure_json == kept.structure_json == want.structure_json
+    assert layout.tables == kept.tables
+    changed = [k for k, (a, b) in enumerate(zip(kept.scalars, layout.scalars, strict=True)) if a != b]
+    assert [layout.scalars[k] for k in changed] == [0.125, "seven", 11]
+
+
 async def test_scalars_changed_and_changed_back_over_many_saves_match_a_full_lay_out() -> None:
     staged = tree()
     cache = await kept_cache(staged)
@@ -215,7 +239,7 @@ async def test_a_changed_scalar_that_would_break_the_header_cap_is_refused_as_a_
         ).header_nbytes()
         + 4096
     )
-    for module in (astage._format.codec, astage._format.layouts):
+    for module in (astage._format.encoder, astage._format.layouts):
         monkeypatch.setattr(module, "HEADER_CAP", cap)
     staged["nested"]["name"] = "n" * 8192
     with pytest.raises(astage.UnsupportedInputError, match="cap"):

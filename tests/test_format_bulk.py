@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import struct
 from typing import Any
 
 import crc32c
@@ -16,15 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astage._format import codec as _format
-from astage._format.codec import Segment, Segments, _FilePlanner, _storage_views
-from astage._format.parse_bound import _joined_cost, _parse_cost, _text_tokens, _unpadded_len
+from astage._format.codec import Segment, Segments
+from astage._format.encoded import storage_views as _storage_views
+from astage._format.encoder import _FilePlanner
+from astage._format.header_parser import HeaderParser
+from astage._format.parse_bound import joined_cost, text_parse_cost, text_tokens, unpadded_len
 from astage._format.spec import PARSE_AMPLIFICATION, PARSE_SLACK
-from astage._format.tables import _rows
-from astage._format.tree import _HeaderParser, _TreeEncoder
+from astage._format.tables import _rows, split_tables
+from astage._format.tree_encoder import TreeEncoder
 from astage._staging.plan import StagePlan
 from astage._util.errors import IntegrityError
 from astage._util.timeslice import drive
-from tests.test_format import _VERSION_2_DOC, _forge_version, _parse_peak
+from tests.forgery import dumps, values_doc, wrap
+from tests.test_format import _parse_peak
 
 
 def _storages() -> list[torch.UntypedStorage]:
@@ -82,15 +87,15 @@ def test_unpadded_len_is_the_length_without_trailing_spaces(
     # Unaligned views, padding across the doubling blocks, a non-space after the padding.
     raw = bytes(skew) + text + b" " * spaces + tail
     view = memoryview(raw)[skew:]
-    assert _unpadded_len(view) == len(bytes(view).rstrip(b" "))
-    assert _unpadded_len(bytes(view)) == len(bytes(view).rstrip(b" "))
+    assert unpadded_len(view) == len(bytes(view).rstrip(b" "))
+    assert unpadded_len(bytes(view)) == len(bytes(view).rstrip(b" "))
 
 
 @pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 64 << 10, (64 << 10) + 3, 200_003])
 def test_unpadded_len_of_spaces_only_and_of_no_spaces(length: int) -> None:
-    assert _unpadded_len(b" " * length) == 0
-    assert _unpadded_len(b"x" * length) == length
-    assert _unpadded_len(b"x" + b" " * length) == 1
+    assert unpadded_len(b" " * length) == 0
+    assert unpadded_len(b"x" * length) == length
+    assert unpadded_len(b"x" + b" " * length) == 1
 
 
 _REF = st.one_of(
@@ -115,7 +120,7 @@ def _references(draw: st.DrawFn) -> list[Any]:
 
 
 def _outcome(bulk: bool, refs: list[Any], taken: list[int], path: tuple[Any, ...]) -> Any:
-    parser = _HeaderParser(0, 3, 1 << 20)
+    parser = HeaderParser(0, 1 << 20, split_tables(bytes(32)))
     parser.paths = [None] * 10
     for index in taken:
         parser.paths[index] = ("elsewhere",)
@@ -202,10 +207,9 @@ def test_a_parsed_header_makes_no_segment_records() -> None:
 )
 def test_a_container_of_long_equal_items_is_parsed_within_the_bound(items: list[Any]) -> None:
     # The bulk path splits a container's items with one zip: it must not zip long ones.
-    doc = json.loads(_VERSION_2_DOC)
-    doc["tree"] = ["list", items]
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    peak, parsed = _parse_peak(_forge_version(header, 2))
+    structure = dumps({"dtensors": [], "tree": ["list", items]})
+    header = struct.pack("<QQQQ", 0, 0, 0, len(structure)) + structure + dumps(values_doc([]))
+    peak, parsed = _parse_peak(wrap(header))
     assert not parsed
     assert peak <= PARSE_AMPLIFICATION * len(header) + PARSE_SLACK, peak / len(header)
 
@@ -215,15 +219,15 @@ def test_a_container_of_long_equal_items_is_parsed_within_the_bound(items: list[
     [("plain", "k"), ("caf\u00e9", "k"), ("id", "\u00e9t\u00e9"), ("a\\u", "b\\u"), ("\\", "\u4e00\\")],
 )
 def test_the_encoder_counts_each_header_text_as_a_reader_does(checkpoint_id: str, key: str) -> None:
-    # The tree's tokens are counted once a layout; a header's text is its metadata and that.
-    state = {key: torch.zeros(2), "n": [1, 2.5, None, "s", {"x": 10**30}]}
+    # The structure's tokens are counted once a layout; a header's text is that and its values.
+    state = {key: torch.zeros(2), "n": [1, 2.5, None, "s", {"x": 10**30}], "s": ["\u00e9", key]}
     layout = _format.lay_out(state, owner_rank=1, step=2, checkpoint_id=checkpoint_id)
     for holder in (None, 7, 2**31 - 1):
         parts, _ = dataclasses.replace(layout, holder_rank=holder).header_parts([0])
-        text = parts[-1]
-        members = text[: len(text) - len(layout.tree_json) - 1]
-        pieces = [_text_tokens(members), layout.tree_tokens]
-        assert _joined_cost(pieces, len(text)) == _parse_cost(text)
+        structure, values = parts[-2:]
+        assert structure == layout.structure_json.encode()
+        pieces = [layout.structure_tokens, text_tokens(values)]
+        assert joined_cost(pieces, len(structure + values)) == text_parse_cost(structure + values)
 
 
 def _first_error(body: bytes, segments: list[tuple[int, int, int]]) -> str | None:
@@ -312,9 +316,10 @@ def test_the_tree_encoder_skips_no_charge_when_every_tensor_is_storable() -> Non
     planner = _FilePlanner()
     root = drive(planner.walk(state, ()))
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
-    fast, slow = _TreeEncoder(plan), _TreeEncoder(plan)
+    fast, slow = TreeEncoder(plan), TreeEncoder(plan)
     assert fast.storable
     slow.storable = False
     assert drive(fast.node(plan.root, (), 0)) == drive(slow.node(plan.root, (), 0))
     assert fast.charged == slow.charged > 0
     assert fast.seen == slow.seen == set(range(len(plan.tensors)))
+    assert fast.scalars == slow.scalars

@@ -30,7 +30,7 @@ import astage
 from astage._format.codec import DTYPES, NUMPY_DTYPES, decode, encode, parse_prefix
 from astage._format.header_cache import HeaderCache
 from astage._format.spec import FLAG_CONJ, FLAG_NEG, FLAG_REQUIRES_GRAD, allowed_flags, tensor_refused
-from astage._format.tree import _TreeEncoder
+from astage._format.tree_encoder import TreeEncoder
 from astage._staging.plan import DictNode, StagePlan, StorageSpec, TensorKind, TensorNode, TensorSpec
 from astage._util.timeslice import drive
 from tests.test_format import _table_edit
@@ -269,7 +269,7 @@ def test_the_reader_refuses_exactly_what_the_writer_refuses(name: str) -> None:
             why = tensor_refused(dtype, kind, bits)
             writer = contextlib.nullcontext() if why is None else pytest.raises(astage.UnsupportedInputError)
             with writer as refused:
-                drive(_TreeEncoder(plan).node(plan.root, (), 0))
+                drive(TreeEncoder(plan).node(plan.root, (), 0))
             if refused is not None:
                 assert refused.value.key_path == ("x",)
             assert _reader_accepts(dtype, kind, bits) is (why is None), (name, kind, bits, why)

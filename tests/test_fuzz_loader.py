@@ -217,37 +217,44 @@ def replicas(draw: st.DrawFn) -> bytes:
 
 _HEADER = struct.Struct("<8sIQ")
 _CRC = struct.Struct("<I")
-_COUNTS = struct.Struct("<QQQQ")
+COUNTS = struct.Struct("<QQQQ")
 
 
 def _tables_len(header: bytes) -> int | None:
-    """Length of the binary tables that open a version-3 header, if its counts fit."""
-    if len(header) < _COUNTS.size:
+    """Length of the binary tables that open a header, if its counts fit."""
+    if len(header) < COUNTS.size:
         return None
-    tensors, dims, storages, _ = _COUNTS.unpack_from(header)
-    end = _COUNTS.size + TENSOR_RECORD.itemsize * tensors + 8 * dims + STORAGE_RECORD.itemsize * storages
+    tensors, dims, storages, _ = COUNTS.unpack_from(header)
+    end = COUNTS.size + TENSOR_RECORD.itemsize * tensors + 8 * dims + STORAGE_RECORD.itemsize * storages
     return end if end <= len(header) else None
 
 
+_STRUCTURE_KEYS = ("dtensors", "tree")
+
+
 def _split(data: bytes) -> tuple[bytes, Any, bytes] | None:
-    """The header's binary tables (version 3, else empty), its JSON and the body of ``data``,
-    if its header still parses as JSON."""
+    """The header's binary tables, its two JSON documents merged into one dict (the
+    structure's members, then the values') and the body of ``data``, if its documents
+    still parse as JSON objects."""
     if len(data) < FIXED_PREFIX_NBYTES:
         return None
-    _, version, length = _HEADER.unpack_from(data)
+    length = _HEADER.unpack_from(data)[2]
     end = FIXED_PREFIX_NBYTES + length
     if end + _CRC.size > len(data):
         return None
     header = data[FIXED_PREFIX_NBYTES:end]
-    tables_len = _tables_len(header) if version >= 3 else 0
+    tables_len = _tables_len(header)
     if tables_len is None:
         return None
+    split = tables_len + COUNTS.unpack_from(header)[3]
     try:
-        doc = json.loads(header[tables_len:])
+        structure, values = json.loads(header[tables_len:split]), json.loads(header[split:])
     except (ValueError, RecursionError):
         return None
+    if type(structure) is not dict or type(values) is not dict:
+        return None
     prefix = -(-(end + _CRC.size) // ALIGNMENT) * ALIGNMENT
-    return header[:tables_len], doc, data[prefix:]
+    return header[:tables_len], {**structure, **values}, data[prefix:]
 
 
 def forge(header: bytes, body: bytes, version: int = FORMAT_VERSION) -> bytes:
@@ -258,7 +265,17 @@ def forge(header: bytes, body: bytes, version: int = FORMAT_VERSION) -> bytes:
 
 
 def _join(tables: bytes, doc: Any) -> bytes:
-    return tables + json.dumps(doc, separators=(",", ":")).encode()
+    """A header of ``tables`` and ``doc`` (as :func:`_split` gives it) split back into its
+    two documents, the tables' structure count set; a ``doc`` no longer a dict is all
+    structure."""
+    if type(doc) is dict:
+        structure = {key: doc[key] for key in _STRUCTURE_KEYS if key in doc}
+        values = {key: value for key, value in doc.items() if key not in _STRUCTURE_KEYS}
+        texts = [json.dumps(part, separators=(",", ":")).encode() for part in (structure, values)]
+    else:
+        texts = [json.dumps(doc, separators=(",", ":")).encode(), b""]
+    counts = COUNTS.unpack_from(tables)[:3] if len(tables) >= COUNTS.size else (0, 0, 0)
+    return COUNTS.pack(*counts, len(texts[0])) + tables[COUNTS.size :] + b"".join(texts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +423,7 @@ def _rechecksum(data: bytes) -> bytes:
 
 
 def _storage_count(tables: bytes) -> int:
-    return int(_COUNTS.unpack_from(tables)[2])
+    return int(COUNTS.unpack_from(tables)[2])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import json
 import struct
 from collections.abc import Callable
@@ -12,9 +14,10 @@ import pytest
 import torch
 
 import astage
-from astage._format.codec import FIXED_PREFIX_NBYTES, FORMAT_VERSION, encode, parse_prefix
+from astage._format.codec import FIXED_PREFIX_NBYTES, FORMAT_VERSION, check_prefix, encode, parse_prefix
 from astage._format.header_cache import HeaderCache
 from astage._format.spec import ALIGNMENT, MAGIC
+from tests.forgery import split
 
 
 def state(**changes: Any) -> dict[str, Any]:
@@ -110,8 +113,8 @@ def test_a_changed_structure_is_parsed_in_full(change: str) -> None:
 HOSTILE_META: dict[str, tuple[bytes, bytes]] = {
     "owner rank": (b'"owner_rank":1,', b'"owner_rank":-1,'),
     "created not a float": (b'"created":1.5,', b'"created":2,'),
-    "format": (b'"format":5,', b'"format":4,'),
-    "format as a float": (b'"format":5,', b'"format":5.0,'),
+    "format": (b'"format":%d,' % FORMAT_VERSION, b'"format":%d,' % (FORMAT_VERSION - 1)),
+    "format as a float": (b'"format":%d,' % FORMAT_VERSION, b'"format":%d.0,' % FORMAT_VERSION),
     "holder rank": (b'"holder_rank":null,', b'"holder_rank":"0",'),
     "duplicate meta key": (b'"step":2,', b'"step":2,"step":3,'),
     "unknown meta key": (b'"step":2,', b'"step":2,"extra":0,'),
@@ -170,26 +173,37 @@ def test_a_kept_structure_with_too_little_padding_is_refused_as_too_dense() -> N
             cache.parse(short)
         assert str(cached.value) == messages[-1]
     # The last refusal came from the structure's charges, after the check before parsing.
-    assert "more than its bound (_parse_cost)" in messages[-1]
+    assert "more than its bound (text_parse_cost)" in messages[-1]
     assert cache.reused == 0
     assert_parsed_as_in_full(cache, data)
 
 
-def test_a_header_not_written_by_the_encoder_is_always_parsed_in_full() -> None:
-    # Valid, but with its members in another order: nothing is kept, nothing re-used.
+def test_a_header_laid_out_otherwise_is_re_used_only_where_its_structure_bytes_repeat() -> None:
+    # Valid, but with each document's members in another order.  The values (reordered
+    # here) are parsed every time; the structure (reordered too) is other bytes than the
+    # encoder's, so its plan is kept for its own repeats and never for the encoder's header.
     cache = HeaderCache()
     data = prefix(state())
 
     def reorder(header: bytes) -> bytes:
-        tables_end = header.index(b'{"format"')
-        doc = json.loads(header[tables_end:])
-        text = json.dumps(dict(reversed(list(doc.items()))), separators=(",", ":")).encode()
-        return header[:tables_end] + text + b" " * (len(header) - tables_end - len(text))
+        start = header.index(b'{"dtensors"')
+        split = header.index(b'{"format"')
+        structure, values = json.loads(header[start:split]), json.loads(header[split:])
+        texts = [
+            json.dumps(dict(reversed(list(doc.items()))), separators=(",", ":")).encode()
+            for doc in (structure, values)
+        ]
+        counts = struct.pack("<QQQQ", *struct.unpack_from("<QQQ", header), len(texts[0]))
+        body = counts + header[32:start] + b"".join(texts)
+        return body + b" " * (len(header) - len(body))
 
     odd = forge(data, reorder)
+    assert parse_prefix(odd) == parse_prefix(data)
     for _ in range(3):
         assert_parsed_as_in_full(cache, odd)
-    assert cache.reused == 0
+    assert cache.reused == 2
+    assert_parsed_as_in_full(cache, data)
+    assert cache.reused == 2  # other structure bytes: parsed in full
 
 
 # -- scalars that change: the kept plan, with those scalars replaced -------------------------
@@ -234,6 +248,48 @@ def test_a_changed_scalar_is_parsed_with_the_kept_plan_and_reads_as_a_full_parse
     assert cache.reused == 3
 
 
+def test_a_changed_learning_rate_or_step_count_changes_only_the_scalar_table() -> None:
+    tree = state()
+    before = prefix(tree, step=1, created=1.5)
+    _group(tree).update(lr=0.05)
+    _group(tree)["params"][0] = 7
+    after = prefix(tree, step=1, created=1.5)
+    assert before != after
+    assert check_prefix(before).structure_key() == check_prefix(after).structure_key()
+    (tables_before, doc_before), (tables_after, doc_after) = split(before), split(after)
+    assert tables_before == tables_after
+    assert {k: v for k, v in doc_before.items() if k != "scalars"} == {
+        k: v for k, v in doc_after.items() if k != "scalars"
+    }
+    assert [doc_before["scalars"][i] for i in (0, 1)] == [0.1, 0]
+    assert [doc_after["scalars"][i] for i in (0, 1)] == [0.05, 7]
+    assert doc_before["scalars"][2:] == doc_after["scalars"][2:]
+
+
+def test_the_kept_plan_takes_each_changed_scalar_at_its_own_place() -> None:
+    # Scalars everywhere a walk meets them: a dict's values before its attributes, lists,
+    # tuples, namedtuples, nested containers between and after them.
+    od: Any = collections.OrderedDict(w=torch.zeros(1), v=1)
+    od._metadata = {"": {"version": 1}, "x": {"version": 2}}
+    base: dict[str, Any] = {"a": {"x": 1, "y": [2, (3, 4)]}, "od": od, "b": 5, "t": (6, torch.ones(1), "s")}
+    cache = HeaderCache()
+    cache.parse(prefix(base))
+    for path in (("a", "x"), ("a", "y", 0), ("b",), ("od", "v")):
+        changed = copy.deepcopy(base)
+        target = changed
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = "changed"
+        data = prefix(changed, step=2)
+        assert repr(cache.parse(data)) == repr(parse_prefix(data)), path
+    changed = copy.deepcopy(base)
+    changed["od"]._metadata["x"]["version"] = 3
+    changed["t"] = (6, changed["t"][1], -0.0)
+    data = prefix(changed, step=3)
+    assert repr(cache.parse(data)) == repr(parse_prefix(data))
+    assert cache.reused == 5
+
+
 def test_a_nan_scalar_is_parsed_with_the_kept_plan() -> None:
     cache, tree = HeaderCache(), state()
     cache.parse(prefix(tree))
@@ -264,9 +320,9 @@ def test_a_forged_scalar_over_a_kept_structure_reads_or_raises_as_a_full_parse(c
     cache, tree = HeaderCache(), state()
     cache.parse(prefix(tree))
     data = prefix(tree, step=2)
-    old = b'"lr","params"],[0.1,'
+    old = b'"scalars":[0.1,'
     assert old in data
-    forged = forge(data, lambda h: h.replace(old, b'"lr","params"],[' + HOSTILE_SCALARS[case] + b",", 1))
+    forged = forge(data, lambda h: h.replace(old, b'"scalars":[' + HOSTILE_SCALARS[case] + b",", 1))
     refused: str | None = None
     try:
         full = parse_prefix(forged)

@@ -13,7 +13,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astage._format.tree import iter_json_text, json_text
+from astage._format.scalars import json_text
+from astage._format.tree_encoder import iter_json_text
 from astage._util.timeslice import drive
 
 LEAVES = (

@@ -40,7 +40,8 @@ from astage._files.durable import (
     replica_path,
     sweep_stale_temps,
 )
-from astage._format.codec import _prefix_bytes, encode, parse_prefix
+from astage._format.codec import encode, parse_prefix
+from astage._format.encoder import join_prefix
 from tests.distributed import RankResult, kill_self, run_group, stop_self
 from tests.statedicts import assert_same_tree
 
@@ -186,13 +187,13 @@ def malformed(case: str) -> tuple[bytes, bytes]:
     if case == "garbage":
         return random.Random(0).randbytes(300), body
     if case == "hostile header":
-        # The header is the binary tables, then the JSON tree: a key added to the JSON.
+        # The header is the binary tables, the structure, then the values: a key added to those.
         header = prefix[20 : 20 + int.from_bytes(prefix[12:20], "little")]
         tables, _, doc = header.partition(b'{"format":')
         version = b"%d," % astage._format.codec.FORMAT_VERSION
         hostile = tables + b'{"format":' + doc.replace(version, version + b'"exec":"__import__(\'os\')",', 1)
         assert hostile != header
-        return _prefix_bytes(hostile), body
+        return join_prefix([hostile]), body
     if case == "another rank's replica":
         return _real_replica(1, 2)
     if case == "corrupt body":

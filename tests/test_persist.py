@@ -420,13 +420,14 @@ async def test_damaged_files_raise_integrity_errors(tmp_path: Path) -> None:
 async def test_a_header_claiming_a_huge_body_is_refused_before_allocating(tmp_path: Path) -> None:
     replica = encoded(1)
     header = replica.prefix[20 : 20 + struct.unpack_from("<Q", replica.prefix, 12)[0]]
-    tensors, dims, storages, _ = struct.unpack_from("<QQQQ", header)
-    tables_end = 32 + 16 * tensors + 8 * dims + 24 * storages
-    doc = json.loads(header[tables_end:])
+    tensors, dims, storages, structure_len = struct.unpack_from("<QQQQ", header)
+    values_at = 32 + 16 * tensors + 8 * dims + 24 * storages + structure_len
+    doc = json.loads(header[values_at:])  # the values document, after the structure's
     doc["body_nbytes"] = 1 << 50
-    last_offset = struct.unpack_from("<Q", header, tables_end - 24)[0]
+    last_offset = struct.unpack_from("<Q", header, values_at - structure_len - 24)[0]
     last = struct.pack("<QQII", last_offset, (1 << 50) - last_offset, 0, 0)
-    header = header[: tables_end - 24] + last + json.dumps(doc).encode()
+    header = header[: values_at - structure_len - 24] + last + header[values_at - structure_len : values_at]
+    header += json.dumps(doc).encode()
     head = _format.MAGIC + struct.pack("<IQ", _format.FORMAT_VERSION, len(header)) + header
     head += struct.pack("<I", crc32c.crc32c(head))
     prefix = head + bytes(-len(head) % _format.ALIGNMENT)

@@ -1,10 +1,11 @@
 """Scalars that change between saves, at random: every fast path reads as its full path.
 
 The stager puts changed scalars into its staged tree, the Checkpointer's layout cache
-splices their text into a kept header, and a holder's header cache rebuilds its kept plan
-with them (see ``test_fast_path``, ``test_checkpointer_layouts`` and ``test_header_cache``
-for the cases by name).  Here hypothesis draws the scalars: floats of every kind (NaN,
--0.0, subnormals, infinities), ints beyond 64 bits, any text, bytes and complex numbers,
+replaces their entries in a kept layout's scalar table, and a holder's header cache
+rebuilds its kept plan with them (see ``test_fast_path``, ``test_checkpointer_layouts``
+and ``test_header_cache`` for the cases by name).  Here hypothesis draws the scalars:
+floats of every kind (NaN, -0.0, subnormals, infinities), ints beyond 64 bits, any text,
+bytes and complex numbers,
 and each fast path must give exactly what the full one gives: the same staged values, the
 same header bytes (or the same refusal), the same parsed plan.
 """
@@ -25,6 +26,7 @@ import astage
 from astage._format.codec import encode, lay_out, parse_prefix
 from astage._format.header_cache import HeaderCache
 from astage._format.layouts import LayoutCache, PendingLayout
+from astage._format.scalars import changed_scalars, same_scalar, scalar_text
 
 ID = "0" * 32
 
@@ -152,3 +154,16 @@ def test_a_stager_stages_random_scalars_into_the_copy_it_refills(rounds: list[tu
                 assert scalars_of(again) == scalars_of(changed)
 
     anyio.run(check)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(scalars, scalars, st.booleans()), max_size=30))
+def test_the_changed_scalars_are_found_as_one_by_one(pairs: list[tuple[Any, Any, bool]]) -> None:
+    # changed_scalars compares whole tables at C speed first: 1, 1.0 and True, 0.0 and
+    # -0.0, NaN and NaN must still be told apart (or not) exactly as entry by entry.
+    old = [a for a, _, _ in pairs]
+    new = [a if same else b for a, b, same in pairs]
+    want = [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if not same_scalar(a, b)]
+    assert changed_scalars(old, new) == want
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        assert same_scalar(a, b) == (scalar_text(a) == scalar_text(b)), (i, a, b)

@@ -21,7 +21,6 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 import pytest
 import torch
@@ -31,13 +30,14 @@ from hypothesis.extra import numpy as hnp
 
 import astage
 from astage._format.codec import (
-    FIXED_PREFIX_NBYTES,
     FORMAT_VERSION,
     NUMPY_DTYPES,
+    TENSOR_RECORD,
     decode,
     encode,
     parse_prefix,
 )
+from tests.forgery import header_bytes, join, split, wrap
 from tests.helpers import (
     expand_tensor_runs,
     no_blocking_calls_on_the_loop,  # noqa: F401 - autouse fixture
@@ -177,15 +177,16 @@ def test_headers_say_the_current_format_whatever_the_tree_holds() -> None:
     for state in ({"w": torch.ones(2), "lr": 0.1}, {"w": np.ones(2), "shape": torch.Size([2])}):
         data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
         header = parse_prefix(data)
-        assert header.version == FORMAT_VERSION == 5
-        assert b'{"format":5,' in data[: header.prefix_nbytes]
+        assert header.version == FORMAT_VERSION == 6
+        assert b'{"format":6,' in data[: header.prefix_nbytes]
 
 
-def test_a_dict_of_fresh_tensors_is_one_run_in_version_4() -> None:
+def test_a_dict_of_fresh_tensors_is_one_run_and_scalars_sit_in_their_table() -> None:
     state = {"layer": {"a": torch.ones(2), "b": torch.zeros(3)}, "mixed": {"c": torch.ones(1), "lr": 0.5}}
     data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
     assert b'["dict",["a","b"],0]' in data  # the run: the first tensor's position alone
-    assert b'["dict",["c","lr"],[["tensor",2],0.5]]' in data  # a mixed dict keeps its list
+    assert b'["dict",["c","lr"],[["tensor",2],0]]' in data  # a mixed dict keeps its list; lr is scalar 0
+    assert b'"scalars":[0.5]}' in data
     assert_exact(round_trip(state), state)
 
 
@@ -275,19 +276,17 @@ def test_python_ints_floats_complex_and_bytes_round_trip(value: Any) -> None:
 # -- old files --------------------------------------------------------------------------------
 
 
-def _load_old(tmp_path: Path, data: bytes, version: int) -> Any:
-    """The state in ``data``, an old replica owned by rank 3, step 7, checkpoint "v<version>",
-    loaded from a real file, after its header is checked to say so."""
+def _refused_old(tmp_path: Path, data: bytes, version: int) -> None:
+    """``data``, an old replica of ``version``, is refused from a real file: loaded, found
+    or parsed, with an error naming its version and the one this astage reads."""
     path = tmp_path / "old.astage"
     path.write_bytes(data)
-    header = parse_prefix(data)
-    assert (header.version, header.owner_rank, header.step, header.checkpoint_id) == (
-        version,
-        3,
-        7,
-        f"v{version}",
-    )
-    return astage.load_checkpoint_file_sync(path)
+    message = rf"version {version}: this astage reads only version {FORMAT_VERSION}"
+    with pytest.raises(astage.IntegrityError, match=message):
+        parse_prefix(data)
+    with pytest.raises(astage.IntegrityError, match=message):
+        astage.load_checkpoint_file_sync(path)
+    assert astage.find_replicas(tmp_path) == []  # skipped, with a warning
 
 
 # A version-1 replica written by astage before format 2 (main at 2fa0a77):
@@ -305,15 +304,9 @@ _VERSION_1 = base64.b64decode(
 )
 
 
-def test_version_1_files_still_load(tmp_path: Path) -> None:
-    state = _load_old(tmp_path, _VERSION_1, 1)
-    assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3))
-    assert state["alias"] is state["w"]
-    assert state["p"][:1] == (1,)
-    assert state["p"].b[0] == 2.5
-    assert math.isnan(state["p"].b[1])
-    assert type(state["od"]) is collections.OrderedDict
-    assert state["od"]["x"].tolist() == [True, False]
+def test_version_1_files_are_refused(tmp_path: Path) -> None:
+    # Read until format 6 (the tree, aliasing, a namedtuple with a NaN, an OrderedDict).
+    _refused_old(tmp_path, _VERSION_1, 1)
 
 
 # A version-2 replica written by astage before format 3 (main at 9e360b1), owner 3, step 7,
@@ -365,63 +358,43 @@ _VERSION_3 = base64.b64decode(
 )
 
 
-def test_version_3_files_still_load(tmp_path: Path) -> None:
-    state = _load_old(tmp_path, _VERSION_3, 3)
+def test_version_3_files_are_refused_and_their_state_written_now_reads_back(tmp_path: Path) -> None:
+    _refused_old(tmp_path, _VERSION_3, 3)
     w = torch.arange(6.0).reshape(2, 3)
-    assert state["layer"]["a"].tolist() == [1.0, 2.0]
-    assert state["layer"]["b"].tolist() == [3.0]
-    assert state["layer"]["c"].tolist() == [True, False]
-    assert type(state["od"]) is collections.OrderedDict
-    assert state["od"]._metadata == {"": {"version": 1}}
-    assert state["od"]["x"].dtype == torch.int8
-    assert state["od"]["x"].tolist() == [1, 2]
-    assert torch.equal(state["w"], w)
-    assert torch.equal(state["t"], w.t())
-    assert state["t"].untyped_storage().data_ptr() == state["w"].untyped_storage().data_ptr()
-    assert state["mixed"]["p"].tolist() == [7]
-    assert state["mixed"]["lr"] == 0.25
-    # The same state written now is version 5, with runs, and reads back the same.
+    od = collections.OrderedDict(x=torch.tensor([1, 2], dtype=torch.int8), y=torch.tensor([0.5]))
+    od._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    state = {
+        "layer": {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0]), "c": torch.tensor([True, False])},
+        "od": od,
+        "w": w,
+        "t": w.t(),
+        "mixed": {"p": torch.tensor([7]), "lr": 0.25},
+    }
+    # The same state written now is the current version, with runs, and reads back the same.
     data = b"".join(encode(state, owner_rank=3, step=7, checkpoint_id="v3").buffers())
-    assert parse_prefix(data).version == 5
+    assert parse_prefix(data).version == FORMAT_VERSION
     assert b'["dict",["a","b","c"],0]' in data
     back = round_trip(state)
     assert [t.tolist() for t in back["layer"].values()] == [[1.0, 2.0], [3.0], [True, False]]
     assert back["od"]._metadata == state["od"]._metadata
+    assert back["mixed"]["lr"] == 0.25
     assert torch.equal(back["t"], w.t())
     assert back["t"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
 
 
-def test_version_2_files_still_load(tmp_path: Path) -> None:
-    state = _load_old(tmp_path, _VERSION_2, 2)
-    w = torch.arange(6.0).reshape(2, 3)
-    assert torch.equal(state["w"], w)
-    assert torch.equal(state["t"], w.t())
-    assert state["t"].untyped_storage().data_ptr() == state["w"].untyped_storage().data_ptr()
-    assert type(state["p"]) is torch.nn.Parameter
-    assert state["p"].requires_grad
-    assert state["p"].tolist() == [1.5, -2.0]
-    assert_exact(state["a"], np.arange(3, dtype=np.int16))
-    assert_exact(state["n"], np.float32(0.25))
-    assert (state["b"], state["c"], state["s"], state["d"]) == (
-        b"xy",
-        1 + 2j,
-        torch.Size([2, 3]),
-        torch.bfloat16,
-    )
-    assert type(state["od"]) is collections.OrderedDict
-    assert state["od"]["x"].tolist() == [True, False]
+def test_version_2_files_are_refused(tmp_path: Path) -> None:
+    # Read until format 6 (views, a Parameter, an ndarray, numpy and Python leaves).
+    _refused_old(tmp_path, _VERSION_2, 2)
 
 
-def _as_version(state: Any, version: int, edit: Any = None) -> bytes:
+def _as_version(state: Any, version: int) -> bytes:
     """A replica of ``state`` as versions 1 and 2 wrote it: tensors and storages in the JSON,
-    the JSON ``format`` equal to the binary version, no padding; ``edit`` may change the
-    document first."""
+    scalars in the tree, the JSON ``format`` equal to the binary version, no padding."""
     data = b"".join(encode(state, owner_rank=0, step=0, checkpoint_id="").buffers())
     header = parse_prefix(data)
-    json_start = data.index(b'{"format":%d,' % FORMAT_VERSION)  # after the binary tables
-    json_end = FIXED_PREFIX_NBYTES + struct.unpack_from("<Q", data, 12)[0]
-    doc = json.loads(data[json_start:json_end])
-    doc["tree"] = expand_tensor_runs(doc["tree"])
+    _, doc = split(data)
+    scalars = iter(doc.pop("scalars"))
+    doc["tree"] = expand_tensor_runs(doc["tree"], lambda index: next(scalars))
     names = {dtype: name for name, dtype in astage._format.codec.DTYPES.items()}
     kinds = {"TENSOR": "tensor", "PARAMETER": "parameter", "NDARRAY": "ndarray"}
     doc["tensors"] = [
@@ -437,18 +410,9 @@ def _as_version(state: Any, version: int, edit: Any = None) -> bytes:
         for t in header.plan.tensors
     ]
     doc["storages"] = [list(s) for s in header.segments]
-    del doc["dtensors"]
+    del doc["dtensors"], doc["padding"]
     doc["format"] = version
-    if edit is not None:
-        edit(doc)
-    text = json.dumps(doc, separators=(",", ":")).encode()
-    head = data[:8] + struct.pack("<IQ", version, len(text)) + text
-    head += struct.pack("<I", crc32c.crc32c(head))
-    return head + bytes(-len(head) % 64) + data[header.prefix_nbytes :]
-
-
-def _as_version_1(state: Any) -> bytes:
-    return _as_version(state, 1)
+    return wrap(json.dumps(doc, separators=(",", ":")).encode(), version) + data[header.prefix_nbytes :]
 
 
 @pytest.mark.parametrize(
@@ -456,9 +420,12 @@ def _as_version_1(state: Any) -> bytes:
     [np.arange(3), np.float32(1), torch.Size([1]), b"x"],
     ids=["ndarray", "np scalar", "Size", "bytes"],
 )
-def test_a_version_1_header_cannot_use_version_2_nodes(value: Any) -> None:
-    with pytest.raises(astage.IntegrityError, match="version 2"):
-        parse_prefix(_as_version_1({"v": value}))
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_version_1_or_2_header_is_refused_whatever_nodes_it_uses(value: Any, version: int) -> None:
+    # A version-1 header with version-2 nodes was refused for them ("version 2"); both
+    # versions are refused whole now, before their JSON is read.
+    with pytest.raises(astage.IntegrityError, match=f"version {version}: this astage reads only"):
+        parse_prefix(_as_version({"v": value}, version))
 
 
 # -- through the Checkpointer (real files) ------------------------------------------------------
@@ -534,26 +501,34 @@ async def test_a_background_failure_is_logged_once_in_one_line(
     assert "peer went away while replicating step 1" in record.getMessage()
 
 
-# -- hostile format-2 nodes -------------------------------------------------------------------
+# -- hostile scalar table entries and array records ---------------------------------------------
 
 
-def _forged(edit: Any) -> bytes:
-    """A version-2 replica of ``{"a": np.arange(3), "x": 1.5}`` with its header edited, checksum right."""
-    return _as_version({"a": np.arange(3), "x": 1.5}, 2, edit)
+def _forged(edit: Any = None, **record: int) -> bytes:
+    """A replica of ``{"a": np.arange(3), "x": 1.5}`` with its documents (merged, as
+    :func:`tests.forgery.split` gives them) ``edit``-ed and its array's tensor record
+    fields set to ``record``, checksum right."""
+    data = b"".join(encode({"a": np.arange(3), "x": 1.5}, owner_rank=0, step=0, checkpoint_id="").buffers())
+    tables, doc = split(data)
+    if record:
+        records = np.frombuffer(tables, TENSOR_RECORD, 1, 32).copy()
+        for field, value in record.items():
+            records[field][0] = value
+        tables = tables[:32] + records.tobytes() + tables[32 + TENSOR_RECORD.itemsize :]
+    if edit is not None:
+        edit(doc)
+    return join(tables, doc) + data[parse_prefix(data).prefix_nbytes :]
 
 
 def _leaf_is(node: Any) -> Any:
     def edit(doc: dict[str, Any]) -> None:
-        doc["tree"][2][1] = node  # the value of "x"
+        doc["scalars"][0] = node  # the value of "x", the table's only entry
 
     return edit
 
 
-def _array_entry(index: int, value: Any) -> Any:
-    def edit(doc: dict[str, Any]) -> None:
-        doc["tensors"][0][index] = value
-
-    return edit
+def _array_record(**record: int) -> Any:
+    return lambda: _forged(**record)
 
 
 _HOSTILE_NODES = {
@@ -578,23 +553,30 @@ _HOSTILE_NODES = {
     "size past 2**63": _leaf_is(["size", [2**63]]),
     "size too long": _leaf_is(["size", [1] * 65]),
     "unhashable tag": _leaf_is([[1], 2]),
-    "ndarray of float8": _array_entry(1, "float8_e4m3fn"),
-    "ndarray requiring grad": _array_entry(6, True),
-    "ndarray with a DTensor note": lambda doc: doc["tensors"][0].append(
-        {"placements": "", "global_shape": [3]}
-    ),
-    "ndarray in a format-1 header": lambda doc: doc.update(format=1),
-    "format-2 leaf in a format-1 header": lambda doc: (
-        doc.update(format=1),
-        doc["tensors"][0].__setitem__(5, "tensor"),
-        _leaf_is(["size", [1]])(doc),
+    "a list of a tag": _leaf_is(["list", [1]]),
+    "a tensor reference": _leaf_is(["tensor", 0]),
+}
+_HOSTILE_RECORDS = {
+    # What versions 1 and 2 wrote as a JSON tensor entry is a binary record now.
+    "ndarray of float8": _array_record(dtype=list(astage._format.codec.DTYPES).index("float8_e4m3fn")),
+    "ndarray requiring grad": _array_record(flags=1),
+    "ndarray with a DTensor note": lambda: _forged(lambda doc: doc.update(dtensors=[[0, "", [3]]])),
+    # A header whose JSON says another format than its binary version: refused (version 1
+    # headers could not hold ndarrays or tagged leaves; none are read now).
+    "ndarray in a format-1 header": lambda: _forged(lambda doc: doc.update(format=1)),
+    "tagged leaf in a format-1 header": lambda: _forged(
+        lambda doc: (doc.update(format=1), _leaf_is(["size", [1]])(doc))
     ),
 }
 
 
-@pytest.mark.parametrize("edit", list(_HOSTILE_NODES.values()), ids=list(_HOSTILE_NODES))
-def test_malformed_format_2_nodes_are_integrity_errors(edit: Any, tmp_path: Path) -> None:
-    data = _forged(edit)
+@pytest.mark.parametrize(
+    "make",
+    [*(lambda edit=edit: _forged(edit) for edit in _HOSTILE_NODES.values()), *_HOSTILE_RECORDS.values()],
+    ids=[*_HOSTILE_NODES, *_HOSTILE_RECORDS],
+)
+def test_malformed_scalar_entries_and_array_records_are_integrity_errors(make: Any, tmp_path: Path) -> None:
+    data = make()
     with pytest.raises(astage.IntegrityError, match="header"):
         parse_prefix(data)
     path = tmp_path / "forged.astage"
@@ -608,11 +590,12 @@ def test_the_forgery_helper_makes_valid_replicas() -> None:
     assert back["x"] == 1.5
     header = parse_prefix(_forged(_leaf_is(["numpy", "float32", 0x3F800000])))
     assert header.num_tensors == 1
+    assert parse_prefix(_forged(lambda doc: None, flags=0)).num_tensors == 1
 
 
 # Version-1 replicas written by astage before format 2 (main at 2fa0a77), dense ones: a list
 # of 100,000 zeros and an optimizer's param_groups of 3,000 indices.  Unpadded, they count
-# far above the format-2 bound, and must still load.
+# far above the bound; version 1 was read under a looser one, and is not read now.
 _DENSE_VERSION_1 = {
     "zeros": lambda: {"z": [0] * 100_000},
     "param_groups": lambda: {"param_groups": [{"params": list(range(3000)), "lr": 0.1}]},
@@ -620,13 +603,17 @@ _DENSE_VERSION_1 = {
 
 
 @pytest.mark.parametrize("make", list(_DENSE_VERSION_1.values()), ids=list(_DENSE_VERSION_1))
-def test_dense_version_1_headers_still_parse(make: Any) -> None:
+def test_dense_version_1_headers_are_refused_and_unpadded_ones_too_dense(make: Any) -> None:
     state = make()
-    data = _as_version_1(state)
+    data = _as_version(state, 1)
     header_len = struct.unpack_from("<Q", data, 12)[0]
     assert header_len < len(json.dumps(state)) + 400, "unpadded, as version 1 wrote them"
-    assert parse_prefix(data).version == 1
-    as_version_2 = data[:8] + struct.pack("<I", 2) + data[12 : FIXED_PREFIX_NBYTES + header_len]
-    as_version_2 += struct.pack("<I", crc32c.crc32c(as_version_2))
+    with pytest.raises(astage.IntegrityError, match="version 1: "):
+        parse_prefix(data)
+    # The same state written now is padded to the bound, and without its padding refused.
+    encoded = encode(state, owner_rank=0, step=0, checkpoint_id="")
+    assert parse_prefix(encoded.prefix).num_tensors == 0
+    header = header_bytes(encoded.prefix)
+    assert header.endswith(b" ")
     with pytest.raises(astage.IntegrityError, match="too dense"):  # what padding is for
-        parse_prefix(as_version_2 + bytes(-len(as_version_2) % 64))
+        parse_prefix(wrap(header.rstrip(b" ")))

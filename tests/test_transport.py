@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import astage
-from astage._format.codec import _StorageSegments
+from astage._format.encoded import StorageSegments as _StorageSegments
 from astage._transport import (
     MAGIC,
     PREAMBLE_TAG,

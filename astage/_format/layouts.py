@@ -26,10 +26,11 @@ storages' sizes are checked when the layout is completed; a mismatch (a copy cha
 its release) sends the save back to a full lay-out, in the background.
 
 Scalars are data, not structure (as for the stager, :func:`astage._staging.recheck.iter_match`'s
-``patches``): a learning rate or step count in the tree may change from save to save.  The
-kept layout's tree JSON is cut, once, around each such scalar (:class:`_AtomText`), and a
-save whose tree differs only there gets the JSON joined again with the new scalars' text:
-no walk of the tree's 20,000 tensors for a new learning rate.
+``patches``): a learning rate or step count in the tree may change from save to save.  A
+patch names a scalar by its index in the file's scalar table
+(:class:`astage._staging.recheck.AtomSlots`), so a save whose tree differs only there gets
+the kept layout with those table entries replaced: the structure document is not touched,
+and no walk of the tree's tensors is made for a new learning rate.
 
 Invariant: a layout comes back from :meth:`LayoutCache.lay_out` only if ``lay_out`` on the
 same staged tree would have returned it; ``UnsupportedInputError`` is raised exactly where
@@ -42,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -53,8 +54,7 @@ from .._staging.recheck import FastPlan, iter_fast_plan, iter_match
 from .._util.limits import INT64, RANK_LIMIT
 from .._util.timeslice import Steps, drive, run_steps, slice_over, within
 from .codec import HEADER_CAP, FileLayout, iter_lay_out
-from .parse_bound import _text_tokens, _Tokens
-from .tree import iter_cut, leaf_text
+from .scalars import json_text, scalar_json
 
 log = logging.getLogger("astage.layout_cache")
 
@@ -76,87 +76,30 @@ class _Kept:
     """For each storage of the layout, the plan position of the first tensor viewing it."""
     copy: int | None
     """The stager's serial of the staged copy ``fast`` was planned from, if known."""
-    atoms: _AtomText | None = None
-    """The layout's tree JSON cut around the plan's atom slots (``None``: a changed scalar
-    is laid out in full)."""
+    patchable: bool
+    """Whether ``fast``'s atom slots are the layout's scalar table indices (checked when
+    kept); else a changed scalar is laid out in full."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _AtomText:
-    """A kept layout's tree JSON cut around the plan's atom slots.
-
-    (:class:`astage._staging.recheck.AtomSlots`.)
-
-    ``"".join(parts)`` is the tree JSON, and ``parts[at[slot]]`` each slot's text.  Token
-    costs add up over the parts: each counted token is one byte, and no ``\\u`` escape
-    straddles two parts (a part ends before a value and a value's text ends on a quote, a
-    digit, a bracket or a letter).
-    """
-
-    parts: tuple[str, ...]
-    at: tuple[int, ...]
-    tokens: tuple[_Tokens, ...]
-    """Each slot's text's tokens."""
-    cost: int
-    """The token cost of the whole tree JSON."""
-    pieces_escape: bool
-    """Whether a part that is not a slot's text holds an escape."""
-    escaped: frozenset[int]
-    """The slots whose text holds an escape."""
-
-    def with_values(self, patches: Sequence[tuple[int, Any]]) -> tuple[str, _Tokens] | None:
-        """The tree JSON with ``patches`` (slot, value) in, and its tokens; ``None`` if a value
-        cannot be stored (a full lay-out then refuses it, with its key path)."""
-        parts = list(self.parts)
-        cost, escape = self.cost, self.pieces_escape
-        for slot, value in patches:
-            try:
-                text = leaf_text(value)
-            except (TypeError, ValueError):
-                return None
-            tokens = _text_tokens(text.encode("ascii"))
-            parts[self.at[slot]] = text
-            cost += tokens.cost - self.tokens[slot].cost
-            escape = escape or tokens.escapes
-        if not escape and self.escaped:
-            escape = not self.escaped.issubset(slot for slot, _ in patches)
-        return "".join(parts), _Tokens(cost, escape)
-
-
-def _iter_cut(fast: FastPlan, layout: FileLayout) -> Steps[_AtomText | None]:
-    """``layout``'s tree JSON cut around ``fast``'s atom slots, or ``None`` where the plan has
-    none or the cut does not give the laid-out JSON back exactly."""
+def _iter_slots_are_table(fast: FastPlan, layout: FileLayout) -> Steps[bool]:
+    """Whether ``fast``'s atom slots number the scalars as ``layout``'s scalar table does:
+    as many atoms as entries, and each slot's value the entry at its index (exactly), in
+    time slices (an optimizer's ``params`` list is thousands of slots)."""
     atoms = fast.atoms
-    if not atoms.nodes:
-        return None
-    cut = yield from iter_cut(fast.plan, atoms.nodes, layout.tree_json)
-    if cut is None:
-        return None
-    pieces, order, texts = cut
-    parts: list[str] = [pieces[0]]
-    at = [0] * len(order)
-    tokens: list[_Tokens] = [_Tokens(0, False)] * len(order)
-    escaped: set[int] = set()
-    cost = 0
-    for slot, text, piece in zip(order, texts, pieces[1:], strict=True):
-        at[slot] = len(parts)
-        parts += (text, piece)
-        tokens[slot] = slot_tokens = _text_tokens(text.encode("ascii"))
-        cost += slot_tokens.cost
-        if slot_tokens.escapes:
-            escaped.add(slot)
+    if not atoms.nodes or atoms.count != len(layout.scalars):
+        return False
+    slots = list(atoms.nodes)
+    for start in range(0, len(slots), _CHUNK):
+        block = slots[start : start + _CHUNK]
+        try:
+            planned = [scalar_json(atoms.nodes[k].value) for k in block]
+        except (TypeError, ValueError):
+            return False
+        if json_text(planned) != json_text([layout.scalars[k] for k in block]):
+            return False
         if slice_over():
             yield
-    # The pieces' tokens a block at a time: a token count is a sum of byte counts, and no
-    # escape straddles two pieces (they are cut at values, outside strings).
-    pieces_escape = False
-    for start in range(0, len(pieces), 512):
-        block = _text_tokens("".join(pieces[start : start + 512]).encode("ascii"))
-        cost += block.cost
-        pieces_escape = pieces_escape or block.escapes
-        if slice_over():
-            yield
-    return _AtomText(tuple(parts), tuple(at), tuple(tokens), cost, pieces_escape, frozenset(escaped))
+    return True
 
 
 @dataclasses.dataclass(eq=False)
@@ -205,6 +148,14 @@ def _storages(
 class LayoutCache:
     """Lays out one rank's staged copies, re-using the layout of the same structure.
 
+    Invalidation rule: the kept layout is re-used only for a staged tree that
+    :func:`~astage._staging.recheck.iter_match` proves to have the kept plan (containers,
+    keys, atoms, and every tensor's metadata and storage; for the very copy it was kept
+    for, refilled in place by the stager, its containers, keys and atoms), where scalars
+    may differ only at patch slots proven, when kept, to be the scalar table's indices,
+    and only if the re-stamped header still fits the cap; every full lay-out that
+    :meth:`keep` can plan replaces it.
+
     :param rank: the owner rank written into every layout.
     """
 
@@ -244,7 +195,7 @@ class LayoutCache:
 
         Not in a worker thread: it is Python, which a worker runs no faster (the GIL), while
         the loop then waits for the GIL up to the switch interval (5 ms) at a time: the
-        first save's heartbeat lagged 5-7 ms through its ~120 ms layout of 20,000 tensors.
+        first save's heartbeat lagged through its whole layout (benchmarks/README.md).
         """
         steps = iter_lay_out(staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id)
         return await run_steps(within(plain_tensor_mode, steps))
@@ -328,7 +279,7 @@ class LayoutCache:
 def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept | None]:
     """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
     source = yield from iter_plan(staged)
-    # Each walk of 20,000 items below looks at the clock: in one go each held the loop 2-3 ms.
+    # Each walk over every tensor or storage below looks at the clock a block at a time.
     if len(source.plan.tensors) != layout.num_tensors or len(source.storages) != len(layout.storages):
         return None
     for i, (ours, theirs) in enumerate(zip(source.storages, layout.storages, strict=True)):
@@ -344,16 +295,16 @@ def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept
         firsts.setdefault(spec.storage, position)
         if not position & 1023 and slice_over():
             yield
-    atoms = yield from _iter_cut(fast, layout)
+    patchable = yield from _iter_slots_are_table(fast, layout)
     layout = dataclasses.replace(layout, storages=())
-    return _Kept(fast, layout, tuple(map(firsts.__getitem__, range(len(firsts)))), copy, atoms)
+    return _Kept(fast, layout, tuple(map(firsts.__getitem__, range(len(firsts)))), copy, patchable)
 
 
 def _restamp(
     kept: _Kept, staged: Any, step: int, checkpoint_id: str, walk_only: bool
 ) -> Steps[PendingLayout | None]:
     """The kept layout for ``staged`` and this save, or ``None`` if ``staged`` does not match."""
-    patches: list[tuple[int, Any]] | None = None if kept.atoms is None else []
+    patches: list[tuple[int, Any]] | None = [] if kept.patchable else None
     sources = yield from iter_match(kept.fast, staged, walk_only=walk_only, patches=patches)
     if sources is None:
         return None
@@ -361,11 +312,10 @@ def _restamp(
         kept.layout, step=step, checkpoint_id=checkpoint_id, created=float(time.time())
     )
     if patches:
-        assert kept.atoms is not None
-        made = kept.atoms.with_values(patches)
-        if made is None:
+        try:
+            layout = layout.with_scalars([(slot, scalar_json(value)) for slot, value in patches])
+        except (TypeError, ValueError):  # not a value a file holds: a full lay-out refuses it
             return None
-        layout = dataclasses.replace(layout, tree_json=made[0], tree_tokens=made[1])
         if not _fits_every_save(layout):
             return None  # laid out in full, which refuses it
     return PendingLayout(layout, sources, kept.firsts)

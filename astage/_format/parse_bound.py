@@ -16,7 +16,7 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
-from .spec import FORMAT_VERSION, LEGACY_PARSE_AMPLIFICATION, PARSE_AMPLIFICATION, PARSE_SLACK
+from .spec import PARSE_AMPLIFICATION, PARSE_SLACK
 
 
 class NodeCost(NamedTuple):
@@ -37,7 +37,7 @@ class NodeCost(NamedTuple):
 
 
 NODE_COSTS: Final[Mapping[str, NodeCost]] = {
-    # The JSON text's tokens, counted before the parse (:func:`_text_tokens`): a value is
+    # The JSON text's tokens, counted before the parse (:func:`text_tokens`): a value is
     # a pointer in its JSON list, an object (an int, a float, an AtomNode in the plan) and
     # its slot in a plan tuple; a quote pair is a str object; a colon is an object member
     # (a pair tuple while the object is built, a dict slot after); a digit, a long int's.
@@ -45,7 +45,7 @@ NODE_COSTS: Final[Mapping[str, NodeCost]] = {
     "quote": NodeCost(30),
     "member": NodeCost(100),
     "digit": NodeCost(10),
-    # The binary tables, known from their counts (version 3 on): a tensor's TensorSpec, its
+    # The binary tables, known from their counts: a tensor's TensorSpec, its
     # columns' temporaries, its Segment and checks; a dims entry's ints, tuple slots and
     # index arrays (all shapes distinct: a tuple each); a storage's Segment and its ints.
     "tensor": NodeCost(200),
@@ -62,33 +62,14 @@ NODE_COSTS: Final[Mapping[str, NodeCost]] = {
     "container": NodeCost(160),
     "namedtuple": NodeCost(24 << 10, 2 << 10, 16),
     "dtensor_note": NodeCost(96, 8, 1),
+    # A scalar table entry: its value checked (a tagged one decoded) and the plan's
+    # AtomNode that holds it; the entry's and its reference's tokens are counted as text.
+    "scalar": NodeCost(64),
 }
 """What a parse allocates (bytes, CPython 3.11, 64-bit), by what it meets: one entry per
 node kind, measured on the densest headers of each (``tests/test_parse_cost.py`` checks
 that what these charge bounds the real peak).  A kind of node added to the format adds an
 entry here, charged by the parser and the encoder alike."""
-
-LEGACY_NODE_COSTS: Final[Mapping[str, NodeCost]] = {
-    **NODE_COSTS,
-    "namedtuple": NodeCost(8 << 10, 256),
-    "container": NodeCost(0),
-    "dtensor_note": NodeCost(0),
-}
-"""The costs versions 2 to 4 were padded for, which they are read with: a file written then
-stays readable.  Their DTensor notes are not charged (that encoder did not pay for them,
-and their tokens cover what they allocate: measured ~700 bytes a note, ~960 charged)."""
-
-CHARGED_FROM_VERSION: Final = 5
-"""From this version the bound counts what the parse really allocates (:data:`NODE_COSTS`)
-and the header bytes a reader holds while it parses (read from a file or received from a
-peer, once each): loading a file stays within :data:`PARSE_AMPLIFICATION` times its
-header, not one time more."""
-
-
-def node_costs(version: int) -> Mapping[str, NodeCost]:
-    """The cost table headers of ``version`` are charged with."""
-    return NODE_COSTS if version >= CHARGED_FROM_VERSION else LEGACY_NODE_COSTS
-
 
 _DIGITS: Final = b"0123456789"
 _SCAN: Final = 64 << 10  # bytes in the first step of the backwards search for the padding
@@ -109,22 +90,27 @@ def path_cost(keys: int) -> int:
     return _COST_PATH + _COST_KEY * keys
 
 
-def namedtuple_cost(typename: str, fields: Sequence[str], version: int = FORMAT_VERSION) -> int:
+def namedtuple_cost(typename: str, fields: Sequence[str]) -> int:
     """The charge of making a namedtuple class (once a class a header)."""
-    return node_costs(version)["namedtuple"].of(len(fields), len(typename) + sum(map(len, fields)))
+    return NODE_COSTS["namedtuple"].of(len(fields), len(typename) + sum(map(len, fields)))
 
 
-def note_cost(placements: str, ndim: int, version: int = FORMAT_VERSION) -> int:
+def note_cost(placements: str, ndim: int) -> int:
     """The charge of a DTensor note: ``placements`` and a global shape of ``ndim`` dimensions."""
-    return node_costs(version)["dtensor_note"].of(ndim, len(placements))
+    return NODE_COSTS["dtensor_note"].of(ndim, len(placements))
 
 
-def container_cost(version: int = FORMAT_VERSION) -> int:
+def container_cost() -> int:
     """The charge of a container's plan node (a dict, list, tuple or namedtuple)."""
-    return node_costs(version)["container"].base
+    return NODE_COSTS["container"].base
 
 
-def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
+def scalars_cost(count: int) -> int:
+    """The charge of a scalar table of ``count`` entries."""
+    return NODE_COSTS["scalar"].base * count
+
+
+def text_parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
     """An upper bound on what parsing JSON header text ``raw`` allocates, its padding included.
 
     Counted, not parsed: a few ``bytes.count`` passes and one ``translate`` (C speed).
@@ -133,26 +119,26 @@ def _parse_cost(raw: bytes | memoryview, unpadded: int | None = None) -> int:
     contents and transients, or five times where a backslash-u escape can widen a string
     to four bytes a character.  Tensor key paths, namedtuple classes and DTensor notes
     depend on the structure, so the parser charges them as it meets them
-    (:class:`~astage._format.tree._HeaderParser`) and the encoder counts them the same way
-    (:class:`~astage._format.tree._TreeEncoder`).  ``unpadded``: the :func:`_unpadded_len`
+    (:class:`~astage._format.header_parser.HeaderParser`) and the encoder counts them the same
+    way (:class:`~astage._format.tree_encoder.TreeEncoder`).  ``unpadded``: the :func:`unpadded_len`
     of ``raw``, where the caller has it.
     """
     if unpadded is None:
-        unpadded = _unpadded_len(raw)
+        unpadded = unpadded_len(raw)
     text = bytes(raw[:unpadded])  # the padding holds no tokens: not scanned (or copied)
-    return len(raw) - unpadded + _joined_cost([_text_tokens(text)], unpadded)
+    return len(raw) - unpadded + joined_cost([text_tokens(text)], unpadded)
 
 
-class _Tokens(NamedTuple):
-    """What a piece of header text's tokens cost (:func:`_parse_cost`), and whether it
-    holds a backslash-u escape: a text's cost is its pieces' summed (:func:`_joined_cost`)."""
+class Tokens(NamedTuple):
+    """What a piece of header text's tokens cost (:func:`text_parse_cost`), and whether it
+    holds a backslash-u escape: a text's cost is its pieces' summed (:func:`joined_cost`)."""
 
     cost: int
     escapes: bool
 
 
-def _text_tokens(text: bytes) -> _Tokens:
-    """The :class:`_Tokens` of ``text``, which has no padding."""
+def text_tokens(text: bytes) -> Tokens:
+    """The :class:`Tokens` of ``text``, which has no padding."""
     values = text.count(b",") + text.count(b"[") + text.count(b"{")
     digits = len(text) - len(text.translate(None, _DIGITS))
     cost = (
@@ -161,17 +147,17 @@ def _text_tokens(text: bytes) -> _Tokens:
         + _COST_MEMBER * text.count(b":")
         + _COST_DIGIT * digits
     )
-    return _Tokens(cost, b"\\" in text and b"\\u" in text)  # a byte is found faster than two
+    return Tokens(cost, b"\\" in text and b"\\u" in text)  # a byte is found faster than two
 
 
-def _joined_cost(pieces: Sequence[_Tokens], length: int) -> int:
-    """:func:`_parse_cost` of an unpadded text of ``length`` bytes made of these pieces
+def joined_cost(pieces: Sequence[Tokens], length: int) -> int:
+    """:func:`text_parse_cost` of an unpadded text of ``length`` bytes made of these pieces
     (joined where no escape can straddle two of them)."""
     escapes = any(piece.escapes for piece in pieces)
     return length + (5 if escapes else 2) * length + _COST_VALUE + sum(piece.cost for piece in pieces)
 
 
-def _unpadded_len(raw: bytes | memoryview) -> int:
+def unpadded_len(raw: bytes | memoryview) -> int:
     """Length of ``raw`` without its trailing spaces; ``bytes.rstrip`` crawls over megabytes.
 
     Compared eight bytes at a time, in blocks that double from the end (a header's padding
@@ -191,46 +177,39 @@ def _unpadded_len(raw: bytes | memoryview) -> int:
     return len(bytes(raw[:end]).rstrip(b" "))
 
 
-def _table_cost(tensors: int, dims: int, storages: int) -> int:
-    """What parsing version-3-on tables of these sizes allocates: checks and Python objects."""
+def tables_cost(tensors: int, dims: int, storages: int) -> int:
+    """What parsing tables of these sizes allocates: checks and Python objects."""
     return _COST_TENSOR * tensors + _COST_DIM * dims + _COST_STORAGE * storages
 
 
-def _parse_budget(
-    header_len: int, text: bytes | memoryview, version: int, table_cost: int = 0, unpadded: int | None = None
+def parse_budget(
+    header_len: int, text: bytes | memoryview, table_cost: int, unpadded: int | None = None
 ) -> int:
     """What is left for the structure-dependent charges; negative: refuse the header.
 
-    ``header_len`` is the whole header, ``text`` its JSON (all of it before version 3),
-    ``unpadded`` as :func:`_parse_cost`.
+    ``header_len`` is the whole header, ``text`` its JSON (after the tables), ``unpadded``
+    as :func:`text_parse_cost`.
     """
     if unpadded is None:
-        unpadded = _unpadded_len(text)
+        unpadded = unpadded_len(text)
     held = header_len - (len(text) - unpadded)
-    return _budget(header_len, _parse_cost(text, unpadded) + table_cost, version, held)
+    return _budget(header_len, text_parse_cost(text, unpadded) + table_cost, held)
 
 
-def _budget(header_len: int, cost: int, version: int, held: int) -> int:
-    """The bound less ``cost``; ``held`` is the header without its padding (which
-    :func:`_parse_cost` charges once already): from :data:`CHARGED_FROM_VERSION` it is charged
-    once more, as the bytes a reader holds through the parse."""
-    factor = PARSE_AMPLIFICATION if version >= 2 else LEGACY_PARSE_AMPLIFICATION
-    if version >= CHARGED_FROM_VERSION:
-        cost += held
-    return factor * header_len + PARSE_SLACK - cost
+def _budget(header_len: int, cost: int, held: int) -> int:
+    """The bound less ``cost`` and ``held``, the header without its padding (which
+    :func:`text_parse_cost` charges once already): the bytes a reader holds through the parse."""
+    return PARSE_AMPLIFICATION * header_len + PARSE_SLACK - cost - held
 
 
-def _padding(
-    text_len: int, text_cost: int, binary_len: int, charged: int, version: int = FORMAT_VERSION
-) -> int:
+def pad_spaces(text_len: int, text_cost: int, binary_len: int, charged: int) -> int:
     """How many trailing spaces make a header fit :data:`PARSE_AMPLIFICATION`: its JSON text
-    is ``text_len`` bytes and costs ``text_cost`` (:func:`_parse_cost`, unpadded).
+    is ``text_len`` bytes and costs ``text_cost`` (:func:`text_parse_cost`, unpadded).
 
     A space adds one byte of length and one of cost, so ``p`` spaces raise the budget by
     ``3p``.  ``binary_len`` bytes of tables precede the text in the header; ``charged`` is
-    what the tables and the tree's structure cost beyond the text's tokens; ``version``
-    the one it is written in.
+    what the tables and the tree's structure cost beyond the text's tokens.
     """
     unpadded = binary_len + text_len
-    short = -_budget(unpadded, text_cost, version, unpadded) + charged
+    short = -_budget(unpadded, text_cost, unpadded) + charged
     return max(0, -(-short // (PARSE_AMPLIFICATION - 1)))

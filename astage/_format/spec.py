@@ -8,36 +8,30 @@ and ``docs/format.md``.  Pure: no file, socket or thread.
 
 from __future__ import annotations
 
-import binascii
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple, overload
 
 import numpy as np
 import torch
 
 from .._staging.plan import StagePlan, TensorKind
-from .._util.errors import IntegrityError
+from .._util.errors import ConfigurationError, IntegrityError
 from .._util.limits import INT64 as _INT64
+from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 
 MAGIC: Final = b"ASTAGE\x00R"
 """First 8 bytes of every checkpoint file."""
 
-FORMAT_VERSION: Final = 5
-"""The layout version this module writes (version 2 added the leaves of :func:`encode`'s list,
-version 3 the binary tensor and storage tables, version 4 the tensor runs of the tree: a
-dict whose values are tensors met there first, numbered in a row, names only the first;
-version 5 is laid out as 4, padded for a parse bound that counts the header a reader
-holds and the measured costs of :data:`astage._format.parse_bound.NODE_COSTS`)."""
-
-READ_VERSIONS: Final = frozenset({1, 2, 3, 4, 5})
-"""The versions this module reads.  The binary version sets the parse bound
-(:data:`PARSE_AMPLIFICATION`: version 2 to 5 headers are padded to it where needed, 5 with
-the header itself counted), the header's layout (from 3: binary tables) and, from 3, the
-nodes the tree may use (from 4: tensor runs); in versions 1 and 2 the header's ``format``
-field says which nodes may appear: a format-1 header may use only format-1 nodes."""
+FORMAT_VERSION: Final = 6
+"""The one layout version this module writes and reads: binary tensor and storage tables,
+then the header's structure (the tree, with tensor runs, and its DTensor notes) as JSON,
+then its values (the metadata and the scalar table the tree refers to) as JSON, padded for
+the parse bound of :data:`astage._format.parse_bound.NODE_COSTS`.  A file of any other
+version is refused (:func:`check_version`)."""
 
 ALIGNMENT: Final = 64
 """Prefix length and every body segment offset are multiples of this."""
@@ -48,15 +42,16 @@ HEADER_CAP: Final = 64 << 20
 FIXED_PREFIX_NBYTES: Final = 20
 """Magic, version and header length: what must be read first to learn the prefix length."""
 
-PARSE_AMPLIFICATION: Final = 4
-"""Parsing a format-2 header allocates at most this many times its length (plus
-:data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
-encoder pads every header with spaces to fit (see :func:`_parse_cost`)."""
+FIXED_FIELDS: Final = struct.Struct("<8sIQ")
+"""The fixed start of a prefix: magic, version (u32) and header length (u64), little-endian."""
 
-LEGACY_PARSE_AMPLIFICATION: Final = 64
-"""The same bound for version-1 headers, which were written unpadded: old files must stay
-readable, and a valid one can count up to 48 (a long list of single-digit ints; it needs
-about 37 times its length in fact)."""
+HEADER_CRC: Final = struct.Struct("<I")
+"""The crc32c after the header, of every byte before it (u32, little-endian)."""
+
+PARSE_AMPLIFICATION: Final = 4
+"""Parsing a header allocates at most this many times its length (plus
+:data:`PARSE_SLACK`); a header that could need more is refused before it is parsed, and the
+encoder pads every header with spaces to fit (see :func:`text_parse_cost`)."""
 
 PARSE_SLACK: Final = 256 << 10
 """Fixed allowance on top of the amplification bound: frames, small tables."""
@@ -67,7 +62,8 @@ MAX_DEPTH: Final = 128
 MAX_NDIM: Final = 64
 """Most dimensions accepted for one tensor."""
 
-_ID_CAP = 4096
+ID_CAP: Final = 4096
+"""Longest ``checkpoint_id`` a file holds (characters)."""
 
 DTYPES: Final[Mapping[str, torch.dtype]] = {
     "bool": torch.bool,
@@ -102,8 +98,7 @@ FLAG_NAMES: Final[Mapping[int, str]] = {
     FLAG_CONJ: "a conjugate bit",
     FLAG_NEG: "a negative bit",
 }
-"""The flags a file keeps for a tensor (version 3's flag bits; before, only
-``requires_grad``), and how a message names each."""
+"""The flags a file keeps for a tensor (its record's flag bits), and how a message names each."""
 
 
 def allowed_flags(dtype: torch.dtype) -> int:
@@ -169,7 +164,7 @@ class Segment(NamedTuple):
     """Where one storage's bytes lie in the body, and their crc32c.
 
     A NamedTuple rather than a frozen dataclass: a header holds one per storage, and a
-    NamedTuple is built several times faster (headers of 20,000 storages are parsed).
+    NamedTuple is built several times faster (headers of tens of thousands of storages are parsed).
     """
 
     offset: int
@@ -181,8 +176,8 @@ class Segments(Sequence[Segment]):
     """A header's storages in body order, one :class:`Segment` each, kept as three int64
     columns (read-only numpy arrays: ``offsets``, ``nbytes``, ``crcs``).
 
-    The records are made only where they are asked for, one at a time: a parse of 20,000
-    storages would otherwise make 20,000 tuples that the cyclic collector tracks for as
+    The records are made only where they are asked for, one at a time: a parse of many
+    storages would otherwise make a tuple each that the cyclic collector tracks for as
     long as the header lives (a tuple subclass is never untracked), and the body checks
     and :func:`~astage._format.codec.decode` read the columns.  Equal to another ``Segments``
     (or a sequence of segments) with the same records.
@@ -289,95 +284,46 @@ class FileHeader:
         return self.prefix_nbytes + self.body_nbytes
 
 
-def _align(n: int) -> int:
+def check_version(version: int) -> None:
+    """Refuse a file of any version but :data:`FORMAT_VERSION`, naming both.
+
+    :raises IntegrityError: another version.
+    """
+    if version != FORMAT_VERSION:
+        raise IntegrityError(
+            f"unsupported checkpoint file format version {version}: this astage reads "
+            f"only version {FORMAT_VERSION} (files of older versions cannot be loaded)"
+        )
+
+
+def check_meta(
+    owner_rank: int, holder_rank: int | None, step: int, checkpoint_id: str, created: float
+) -> None:
+    """Check a file's metadata as the encoder is given it.
+
+    :raises ConfigurationError: a rank, step, id or time out of range.
+    """
+    ranks = (
+        {"owner_rank": owner_rank}
+        if holder_rank is None
+        else {"owner_rank": owner_rank, "holder_rank": holder_rank}
+    )
+    for name, rank in ranks.items():
+        if type(rank) is not int or not 0 <= rank < _RANK_LIMIT:
+            raise ConfigurationError(f"{name} must be an int in [0, 2**31), got {rank!r}")
+    if type(step) is not int or not -_INT64 <= step < _INT64:
+        raise ConfigurationError(f"step must be a 64-bit int, got {step!r}")
+    if type(checkpoint_id) is not str or len(checkpoint_id) > ID_CAP:
+        raise ConfigurationError(f"checkpoint_id must be a str of at most {ID_CAP} characters")
+    if not math.isfinite(created):
+        raise ConfigurationError(f"created must be a finite timestamp, got {created!r}")
+
+
+def align_up(n: int) -> int:
     """``n`` rounded up to :data:`ALIGNMENT`."""
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-def _fail(where: str, message: str) -> IntegrityError:
+def header_error(where: str, message: str) -> IntegrityError:
     """The error for a malformed header field: ``header <where>: <message>``."""
     return IntegrityError(f"header {where}: {message}")
-
-
-# -- tree leaves --------------------------------------------------------------------------
-
-_TORCH_DTYPE_LEAVES: Final[Mapping[str, torch.dtype]] = {
-    **DTYPES,
-    **{
-        name: getattr(torch, name)
-        for name in (
-            *("complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"),
-            *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
-            *(f"int{n}" for n in range(1, 8)),
-            *(f"uint{n}" for n in range(1, 8)),
-        )
-        if isinstance(getattr(torch, name, None), torch.dtype)
-    },
-}
-"""Every torch dtype a ``torch.dtype`` leaf may name: tensors need the allow-list, a dtype
-object is only a name."""
-
-_DEVICE_TYPE_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
-_NONFINITE: Final = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _float_part(raw: Any) -> float | None:
-    if type(raw) is float:
-        return raw
-    if type(raw) is list and len(raw) == 2 and raw[0] == "float" and raw[1] in _NONFINITE:
-        return _NONFINITE[raw[1]]
-    return None
-
-
-def _bytes_leaf(text: Any) -> bytes | None:
-    if type(text) is not str:
-        return None
-    return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
-
-
-def _complex_leaf(real: Any, imag: Any) -> complex | None:
-    re, im = _float_part(real), _float_part(imag)
-    return None if re is None or im is None else complex(re, im)
-
-
-def _size_leaf(dims: Any) -> torch.Size | None:
-    if type(dims) is not list or len(dims) > MAX_NDIM:
-        return None
-    if not all(type(n) is int and -_INT64 <= n < _INT64 for n in dims):
-        return None
-    return torch.Size(dims)
-
-
-def _dtype_leaf(name: Any) -> torch.dtype | None:
-    return _TORCH_DTYPE_LEAVES.get(name) if type(name) is str else None
-
-
-def _device_leaf(kind: Any, index: Any) -> torch.device | None:
-    if type(kind) is not str or not 0 < len(kind) <= 32 or not _DEVICE_TYPE_CHARS.issuperset(kind):
-        return None
-    if index is None:
-        return torch.device(kind)
-    if type(index) is not int or not 0 <= index < 1 << 15:
-        return None
-    return torch.device(kind, index)  # RuntimeError for a type torch does not know
-
-
-def _numpy_leaf(name: Any, bits: Any) -> np.generic | None:
-    dtype = NUMPY_DTYPES.get(name) if type(name) is str else None
-    if dtype is None or type(bits) is not int or not 0 <= bits < 1 << (8 * dtype.itemsize):
-        return None
-    if dtype.kind == "b" and bits > 1:
-        return None
-    value: np.generic = np.frombuffer(bits.to_bytes(dtype.itemsize, "little"), dtype.newbyteorder("<"))[0]
-    return value
-
-
-_LEAF_DECODERS: Final[Mapping[str, Callable[..., Any]]] = {
-    "bytes": _bytes_leaf,
-    "complex": _complex_leaf,
-    "size": _size_leaf,
-    "dtype": _dtype_leaf,
-    "device": _device_leaf,
-    "numpy": _numpy_leaf,
-}
-"""Format-2 leaf tags to their decoders: each returns the value, or ``None`` if malformed."""

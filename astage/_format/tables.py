@@ -1,11 +1,12 @@
-"""The binary per-tensor and per-storage tables of a version-3 checkpoint file header.
+"""The binary per-tensor and per-storage tables of a checkpoint file header.
 
-The header starts with four counts, then one fixed-size record a tensor
+The header starts with four counts (tensors, dims, storages, and the length of the
+structure JSON that follows the tables), then one fixed-size record a tensor
 (:data:`TENSOR_RECORD`), every tensor's sizes and strides as one int64 array, and one
 record a storage (:data:`STORAGE_RECORD`).  This module packs them from a plan and, on
 the way back, checks them whole columns at a time with numpy (indices, codes, flags,
 canonical storage offsets, every tensor inside its storage) before turning them into
-:class:`TensorSpec` records: per-tensor Python work is what a 20,000-tensor header costs.
+:class:`TensorSpec` records: per-tensor Python work is what a many-tensor header costs.
 Pure: no file, socket or thread.
 """
 
@@ -31,14 +32,14 @@ from .spec import (
     MAX_NDIM,
     Segment,
     Segments,
-    _fail,
+    header_error,
     tensor_refused,
 )
 
-_COUNTS = struct.Struct("<QQQQ")  # version 3: tensors, dims, storages, reserved (zero)
+COUNTS = struct.Struct("<QQQQ")  # tensors, dims, storages, structure JSON bytes
 
 DTYPE_CODES: Final[tuple[str, ...]] = tuple(DTYPES)
-"""Version 3's dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
+"""The dtype codes: a tensor record's ``dtype`` byte indexes this tuple.  Append
 only: a code once written means that dtype forever."""
 
 TENSOR_RECORD: Final = np.dtype(
@@ -51,13 +52,13 @@ TENSOR_RECORD: Final = np.dtype(
         ("offset", "<i8"),
     ]
 )
-"""One tensor of a version-3 header (16 bytes, little-endian).  Its ``ndim`` sizes and then
+"""One tensor of a header (16 bytes, little-endian).  Its ``ndim`` sizes and then
 ``ndim`` strides follow the previous tensor's in the dims array."""
 
 STORAGE_RECORD: Final = np.dtype(
     [("offset", "<u8"), ("nbytes", "<u8"), ("crc32c", "<u4"), ("reserved", "<u4")]
 )
-"""One storage of a version-3 header (24 bytes, little-endian): where its bytes lie in the
+"""One storage of a header (24 bytes, little-endian): where its bytes lie in the
 body and their crc32c; ``reserved`` is zero."""
 
 _FLAGS: Final = FLAG_REQUIRES_GRAD | FLAG_CONJ | FLAG_NEG
@@ -67,7 +68,7 @@ _DTYPE_CODE: Final = {DTYPES[name]: code for code, name in enumerate(DTYPE_CODES
 _CODE_DTYPES: Final = tuple(DTYPES[name] for name in DTYPE_CODES)
 _CODE_ITEMSIZE: Final = np.array([d.itemsize for d in _CODE_DTYPES], dtype=np.int64)
 _KIND_CODES: Final = (TensorKind.TENSOR, TensorKind.PARAMETER, TensorKind.NDARRAY, TensorKind.BYTESIO)
-"""Version 3's kind codes (a DTensor is stored as its local tensor, code 0).  Append only."""
+"""The kind codes (a DTensor is stored as its local tensor, code 0).  Append only."""
 _KIND_CODE: Final = {
     TensorKind.TENSOR: 0,
     TensorKind.PARAMETER: 1,
@@ -98,9 +99,9 @@ _REFUSED: Final = np.array(
 refuses that record; both sides' checks, a column at a time."""
 _CODE_DTYPE_OBJECTS: Final = _objects(_CODE_DTYPES)
 _KIND_OBJECTS: Final = _objects(_KIND_CODES)
-_new_tuple: Final = tuple.__new__
+new_tuple: Final = tuple.__new__
 """Builds a NamedTuple from the complete tuple of its fields, skipping its Python-level
-``__new__``: a call a record is most of what a 20,000-tensor parse costs.  The fields
+``__new__``: a call a record is most of what a many-tensor parse costs.  The fields
 given (here and in :mod:`astage._format.tree`) are checked against the classes below, so
 a field added to them fails at import."""
 if TensorNode._fields != ("position",):
@@ -112,12 +113,12 @@ if Segment._fields != ("offset", "nbytes", "crc32c") or TensorSpec._fields != (
     raise ImportError("astage builds Segment and TensorSpec records field by field")
 
 _EXACT_LIMIT: Final = 1 << 20
-"""Version-3 extents are computed column-wise in int64 for tensors whose sizes and strides
+"""Extents are computed column-wise in int64 for tensors whose sizes and strides
 are all below this (no sum can overflow); the others, rare, are checked one by one."""
 
 
-def _tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """The version-3 tensor table and dims array of ``specs``, built column by column (the
+def pack_tensor_table(specs: Sequence[TensorSpec]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The tensor table and dims array of ``specs``, built column by column (the
     columns come out of one ``zip(*specs)``, at C speed)."""
     table = np.zeros(len(specs), TENSOR_RECORD)
     if not specs:
@@ -143,7 +144,7 @@ def _flag_column(
     return flags
 
 
-def _any_refused(specs: Sequence[Any]) -> bool:
+def any_refused(specs: Sequence[Any]) -> bool:
     """Whether :func:`astage._format.spec.tensor_refused` refuses a tensor among ``specs``
     (checked a column at a time)."""
     if not specs:
@@ -156,29 +157,30 @@ def _any_refused(specs: Sequence[Any]) -> bool:
     return bool(_REFUSED[codes, kinds, _flag_column(requires_grad, conj, neg)].any())
 
 
-class _Tables(NamedTuple):
-    """The binary tables of a version-3 header, viewed in place (not yet validated)."""
+class RawTables(NamedTuple):
+    """The binary tables of a header, viewed in place (not yet validated), and the length
+    of the structure JSON after them (checked to fit in the header)."""
 
     tensors: np.ndarray[Any, Any]
     dims: np.ndarray[Any, Any]
     storages: np.ndarray[Any, Any]
     nbytes: int
+    structure_len: int
 
     @property
     def counts(self) -> tuple[int, int, int]:
         return len(self.tensors), len(self.dims), len(self.storages)
 
 
-def _split_tables(raw: bytes | memoryview) -> _Tables:
-    """The tables at the start of a version-3 header; their sizes checked against ``raw``."""
-    if len(raw) < _COUNTS.size:
-        raise _fail("tables", f"{len(raw)} bytes, the table counts alone take {_COUNTS.size}")
-    tensors, dims, storages, reserved = _COUNTS.unpack_from(raw)
-    if reserved:
-        raise _fail("tables", "the reserved count is not zero")
+def split_tables(raw: bytes | memoryview) -> RawTables:
+    """The tables at the start of a header; their sizes, and the structure JSON's, checked
+    against ``raw``."""
+    if len(raw) < COUNTS.size:
+        raise header_error("tables", f"{len(raw)} bytes, the table counts alone take {COUNTS.size}")
+    tensors, dims, storages, structure_len = COUNTS.unpack_from(raw)
     # Each count is checked against the bytes before it is multiplied: no overflow.
-    room = len(raw) - _COUNTS.size
-    at = _COUNTS.size
+    room = len(raw) - COUNTS.size
+    at = COUNTS.size
     views = []
     for name, count, record in (
         ("tensor", tensors, TENSOR_RECORD),
@@ -186,11 +188,15 @@ def _split_tables(raw: bytes | memoryview) -> _Tables:
         ("storage", storages, STORAGE_RECORD),
     ):
         if count > room // record.itemsize:
-            raise _fail("tables", f"{count} {name} records do not fit in the {len(raw)}-byte header")
+            raise header_error("tables", f"{count} {name} records do not fit in the {len(raw)}-byte header")
         views.append(np.frombuffer(raw, record, count, at))
         at += count * record.itemsize
         room -= count * record.itemsize
-    return _Tables(views[0], views[1], views[2], at)
+    if structure_len > room:
+        raise header_error(
+            "tables", f"a {structure_len}-byte structure does not fit in the {len(raw)}-byte header"
+        )
+    return RawTables(views[0], views[1], views[2], at, structure_len)
 
 
 class _Columns(NamedTuple):
@@ -209,35 +215,37 @@ def _first(bad: np.ndarray[Any, Any]) -> int:
     return int(np.flatnonzero(bad)[0])
 
 
-def _storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> Segments:
-    """Version 3's storages, checked as whole columns: canonical offsets, inside the body."""
+def check_storage_table(records: np.ndarray[Any, Any], body_nbytes: int) -> Segments:
+    """The storages, checked as whole columns: canonical offsets, inside the body."""
     offsets = records["offset"]
     nbytes = records["nbytes"]
     if records["reserved"].any():
-        raise _fail(f"storages[{_first(records['reserved'] != 0)}]", "the reserved field is not zero")
+        raise header_error(f"storages[{_first(records['reserved'] != 0)}]", "the reserved field is not zero")
     # Both below 2**63 once checked against the body, so their sums cannot overflow uint64.
     over = (nbytes > body_nbytes) | (offsets > body_nbytes)
     if over.any():
-        raise _fail(f"storages[{_first(over)}]", f"overruns the {body_nbytes}-byte body")
+        raise header_error(f"storages[{_first(over)}]", f"overruns the {body_nbytes}-byte body")
     ends = offsets + nbytes
     aligned = np.zeros(len(records), np.uint64)
     aligned[1:] = (ends[:-1] + (ALIGNMENT - 1)) // ALIGNMENT * ALIGNMENT
     misplaced = offsets != aligned
     if misplaced.any():
         i = _first(misplaced)
-        raise _fail(f"storages[{i}]", f"offset {offsets[i]} is not the aligned offset {aligned[i]}")
+        raise header_error(f"storages[{i}]", f"offset {offsets[i]} is not the aligned offset {aligned[i]}")
     over = ends > body_nbytes
     if over.any():
         i = _first(over)
-        raise _fail(f"storages[{i}]", f"bytes [{offsets[i]}, {ends[i]}) overrun the {body_nbytes}-byte body")
+        raise header_error(
+            f"storages[{i}]", f"bytes [{offsets[i]}, {ends[i]}) overrun the {body_nbytes}-byte body"
+        )
     end = int(ends[-1]) if len(ends) else 0
     if end != body_nbytes:
-        raise _fail("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
+        raise header_error("body_nbytes", f"{body_nbytes} bytes, but the storages end at {end}")
     return Segments(offsets, nbytes, records["crc32c"])
 
 
-def _check_tensor_table(tables: _Tables, segments: Segments) -> _Columns:
-    """Version 3's tensors, checked as whole columns with numpy: indices, codes, flags and
+def check_tensor_table(tables: RawTables, segments: Segments) -> _Columns:
+    """The tensors, checked as whole columns with numpy: indices, codes, flags and
     every tensor inside its storage.  The rare tensor with a dimension or stride of
     :data:`_EXACT_LIMIT` or more is checked on its own with Python ints."""
     records, dims = tables.tensors, tables.dims
@@ -248,7 +256,7 @@ def _check_tensor_table(tables: _Tables, segments: Segments) -> _Columns:
     np.cumsum(2 * ndim[:-1], out=starts[1:])
     large = _check_extents(records, starts, dims, segments)
     if len(segments) and (np.bincount(storage, minlength=len(segments)) == 0).any():
-        raise _fail("storages", "a storage is not referenced by any tensor")
+        raise header_error("storages", "a storage is not referenced by any tensor")
     columns = _Columns(records, dims, storage, code, ndim, starts)
     for i in np.flatnonzero(large).tolist():
         _check_extent(columns, i, segments)
@@ -274,19 +282,19 @@ def _check_codes(records: np.ndarray[Any, Any], dims: np.ndarray[Any, Any], nsto
         (records["offset"] < 0, "negative storage offset"),
     ):
         if bad.any():
-            raise _fail(f"tensors[{_first(bad)}]", what)
+            raise header_error(f"tensors[{_first(bad)}]", what)
     if 2 * int(ndim.sum()) != len(dims):
-        raise _fail("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
+        raise header_error("dims", f"{len(dims)} entries, the tensors have {int(ndim.sum())} dimensions")
     if (dims < 0).any():
-        raise _fail("dims", "a negative size or stride")
+        raise header_error("dims", "a negative size or stride")
     refused = _REFUSED[code, kind, flags]
     if refused.any():
         i = _first(refused)
         why = tensor_refused(_CODE_DTYPES[int(code[i])], _KIND_CODES[int(kind[i])], int(flags[i]))
-        raise _fail(f"tensors[{i}]", str(why))
+        raise header_error(f"tensors[{i}]", str(why))
     flat = (kind == _KIND_CODE[TensorKind.BYTESIO]) & (ndim != 1)
     if flat.any():
-        raise _fail(f"tensors[{_first(flat)}]", "a bytesio entry has exactly one dimension")
+        raise header_error(f"tensors[{_first(flat)}]", "a bytesio entry has exactly one dimension")
 
 
 def _check_extents(
@@ -324,7 +332,9 @@ def _check_extents(
     past = ~empty & ~large & ((last + 1) * _CODE_ITEMSIZE[code] > segments.nbytes[storage])
     if past.any():
         i = _first(past)
-        raise _fail(f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage")
+        raise header_error(
+            f"tensors[{i}]", f"reaches past its {segments[int(storage[i])].nbytes}-byte storage"
+        )
     return large
 
 
@@ -343,27 +353,27 @@ def _numel_overflows(size: Sequence[int]) -> bool:
 
 
 def _check_extent(columns: _Columns, i: int, segments: Segments) -> None:
-    """One tensor's element count and extent, with Python ints (see :func:`_check_tensor_table`)."""
+    """One tensor's element count and extent, with Python ints (see :func:`check_tensor_table`)."""
     start, ndim = int(columns.starts[i]), int(columns.ndim[i])
     size = columns.dims[start : start + ndim].tolist()
     stride = columns.dims[start + ndim : start + 2 * ndim].tolist()
     where = f"tensors[{i}]"
     if _numel_overflows(size):
-        raise _fail(where, f"shape {size} has too many elements")
+        raise header_error(where, f"shape {size} has too many elements")
     if 0 in size:
         return
     last = int(columns.records["offset"][i]) + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
     nbytes = segments[int(columns.storage[i])].nbytes
     if last >= _INT64 or (last + 1) * _CODE_DTYPES[int(columns.code[i])].itemsize > nbytes:
-        raise _fail(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
+        raise header_error(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
 
 
-def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSpec, ...]:
+def tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSpec, ...]:
     """The checked tensor table as plan records, with the key paths the tree gave them.
 
     Column by column: each field is one numpy ``tolist`` (or an object-array gather), and
     each record one ``tuple.__new__``; a Python call a tensor would cost more than the
-    rest of the parse (headers of 20,000 tensors are parsed).
+    rest of the parse (headers of tens of thousands of tensors are parsed).
     """
     flags = columns.records["flags"]
     sizes, strides = _shapes(columns)
@@ -382,7 +392,7 @@ def _tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSp
         repeat(None),  # dtensor_spec: DTensors come back as their local tensor
         strict=False,  # the repeats are endless; paths and the columns have one a tensor
     )
-    return tuple(map(_new_tuple, repeat(TensorSpec), fields))
+    return tuple(map(new_tuple, repeat(TensorSpec), fields))
 
 
 def _column(values: np.ndarray[Any, Any], objects: np.ndarray[Any, Any] | None = None) -> Iterable[Any]:

@@ -1,6 +1,6 @@
 """Re-check a plan against a later state_dict: the fast path of a repeated stage.
 
-Planning a state_dict of many small tensors costs more than copying them.  A later stage of a state_dict with
+Planning 20,000 tensors costs more than copying them.  A later stage of a state_dict with
 the same structure re-uses the plan after checking, per tensor, everything the plan was
 derived from (:func:`iter_match`).  Object identity is never trusted: ``model.state_dict()``
 returns new tensor objects (and new dicts) every call.  A DTensor (every FSDP2
@@ -24,13 +24,12 @@ import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 
-from .._util.errors import Attr
-from .._util.timeslice import Steps, distinct_in_slices, slice_over
+from .._util.timeslice import Steps, distinct_in_slices, each_block, slice_over
 from .plan import (
     AtomNode,
     DictNode,
@@ -40,6 +39,7 @@ from .plan import (
     StagePlan,
     TensorKind,
     TensorNode,
+    TensorSpec,
     dtensor_class,
 )
 
@@ -69,8 +69,8 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
 
     Every field is an atom (the type by its ``id``: classes live as long as the program,
     and ``shape`` compares equal to the plain tuple a plan keeps), so the cyclic collector
-    stops tracking a plan's signatures after its first look at them: a plan adds no
-    object a tensor to every later full collection.
+    stops tracking a plan's signatures after its first look at them: a plan of 20,000
+    tensors does not add 20,000 objects to every later full collection.
     """
     st = t.untyped_storage()
     return (
@@ -113,21 +113,65 @@ _PATCHABLE: frozenset[type] = frozenset({type(None), bool, int, float, complex, 
 updates every step (a learning rate under a scheduler, a step count, a loss, a tag)."""
 
 
+Trail = tuple[int, ...]
+"""A leaf's place in a plan: the child positions (:func:`plan_children`) from the root down."""
+
+
+def plan_children(node: Node) -> tuple[Node, ...]:
+    """A container's children in walk order: a dict's values, then its attributes'."""
+    if type(node) is DictNode:
+        return node.values + tuple(value for _, value in node.attrs) if node.attrs else node.values
+    if type(node) is SeqNode:
+        return node.items
+    return ()
+
+
+def iter_scalar_trails(root: Node) -> Steps[tuple[Trail, ...]]:
+    """Every atom's trail in a plan, numbered in walk order (a dict's values, then its
+    attributes; a sequence's items; a container met again is a reference, not walked
+    again), in time slices.  The one numbering of a plan's scalars: a checkpoint file's
+    scalar table (:mod:`astage._format.scalars`) and :class:`AtomSlots` use it."""
+    if type(root) is AtomNode:
+        return ((),)
+    out: list[Trail] = []
+    stack: list[tuple[Trail, tuple[Node, ...], int]] = [((), plan_children(root), 0)]
+    while stack:
+        trail, nodes, at = stack.pop()
+        for i in range(at, len(nodes)):
+            child = nodes[i]
+            if type(child) is AtomNode:
+                out.append((*trail, i))
+            elif type(child) is DictNode or type(child) is SeqNode:
+                stack.append((trail, nodes, i + 1))
+                stack.append(((*trail, i), plan_children(child), 0))
+                break
+        if slice_over():
+            yield
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AtomSlots:
     """Where a plan's patchable atoms sit: each one directly in a plain dict or a list (its
     *slot*), so a staged tree can take a new value in place (:func:`set_atoms`).
 
-    An atom in a tuple, or in an object's attributes, has no slot: a change there re-plans.
+    A slot is named by the atom's number in the walk of :func:`iter_scalar_trails` (every
+    atom counted): the index of its entry in a checkpoint file's scalar table, so a patch
+    names the same scalar for the stager, the layout cache and the file, and its place is
+    that walk's trail.  An atom in a tuple, or in an object's attributes, has no slot: a
+    change there re-plans.
     """
 
     by_values: dict[int, tuple[int, ...]]
     """``id(node.values or node.items)`` -> the slot of each position, ``-1`` for none."""
-    paths: tuple[tuple[Any, ...], ...]
-    """Each slot's path from the root: keys, list indices and :class:`Attr` entries to its
-    container, then its key or index there."""
-    nodes: tuple[AtomNode, ...] = ()
+    trails: Mapping[int, Trail] = dataclasses.field(default_factory=dict)
+    """Each slot's trail in :attr:`root`."""
+    root: Node | None = None
+    """The plan's root: what names each step of a trail in a staged tree."""
+    nodes: Mapping[int, AtomNode] = dataclasses.field(default_factory=dict)
     """The plan's :class:`AtomNode` at each slot (its ``value`` is the plan's)."""
+    count: int = 0
+    """How many atoms the plan holds, slots or not (its scalar table's length)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -154,7 +198,7 @@ class FastPlan:
     ones that can be one tensor object at two positions and pass the storage check."""
     meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
     """The same for ``meta_only`` checks (a staged copy's tensors: offsets, no attributes)."""
-    atoms: AtomSlots = AtomSlots({}, ())
+    atoms: AtomSlots = AtomSlots({})
     """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
     storage_of: Sequence[int] = ()
     """Each planned tensor's storage index, in plan order (a column made once per plan)."""
@@ -245,31 +289,36 @@ _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
 
 
 class _SlotsMade:
-    """:class:`AtomSlots` as :func:`_eligible` finds them."""
+    """:class:`AtomSlots` as :func:`_eligible` finds them: every atom numbered in walk order
+    (as :func:`iter_scalar_trails` numbers them), and the patchable ones given that number
+    as their slot."""
 
     def __init__(self) -> None:
         self.by_values: dict[int, tuple[int, ...]] = {}
-        self.paths: list[tuple[Any, ...]] = []
-        self.nodes: list[AtomNode] = []
+        self.nodes: dict[int, AtomNode] = {}
+        self.count = 0
 
-    def add_in_slices(
-        self, path: tuple[Any, ...], keys: Sequence[Any], nodes: tuple[Node, ...]
-    ) -> Steps[None]:
-        """Give a slot to each patchable atom of ``nodes``, the values of a dict or list, in
-        time slices (an optimizer's ``params`` list holds thousands of ints)."""
-        slots = [-1] * len(nodes)
-        for i, n in enumerate(nodes):
-            if type(n) is AtomNode and type(n.value) in _PATCHABLE:
-                slots[i] = len(self.paths)
-                self.paths.append((*path, keys[i]))
-                self.nodes.append(n)
-            if not i & 255 and slice_over():
-                yield
-        if any(k >= 0 for k in slots):
+    def add(self, node: AtomNode, slots: list[int] | None, i: int) -> None:
+        """Number atom ``node``, child ``i`` of its container; where ``slots`` (that
+        container's slots: a dict's values or a list's items) is given and the value can be
+        patched, it is a slot of that number."""
+        k = self.count
+        self.count = k + 1
+        if slots is not None and i < len(slots) and type(node.value) in _PATCHABLE:
+            slots[i] = k
+            self.nodes[k] = node
+
+    def close(self, nodes: tuple[Node, ...], slots: list[int] | None) -> None:
+        """Record the slots of a container's values or items, if it has any."""
+        if slots is not None and any(k >= 0 for k in slots):
             self.by_values[id(nodes)] = tuple(slots)
 
-    def made(self) -> AtomSlots:
-        return AtomSlots(self.by_values, tuple(self.paths), tuple(self.nodes))
+    def iter_made(self, root: Node) -> Steps[AtomSlots]:
+        """The slots, each with its trail (``{}`` where the walks disagree: no patches)."""
+        trails = yield from iter_scalar_trails(root)
+        if len(trails) != (1 if type(root) is AtomNode else self.count):
+            return AtomSlots({})  # pragma: no cover - one walk order, counted twice
+        return AtomSlots(self.by_values, {k: trails[k] for k in self.nodes}, root, self.nodes, len(trails))
 
 
 def _eligible(
@@ -277,11 +326,11 @@ def _eligible(
     key_types: dict[int, tuple[type, ...]],
     runs: dict[int, int],
     slots: _SlotsMade,
-    path: tuple[Any, ...] = (),
 ) -> Steps[bool]:
     """Whether a re-check can prove ``node``'s subtree unchanged: plain dicts, lists,
     tuples, immutable atoms and tensors, Parameters or DTensors without attributes only
-    (anything else is planned anew at every stage).  Finds the subtree's atom slots on the way."""
+    (anything else is planned anew at every stage).  Numbers the subtree's atoms on the way."""
+    here: list[int] | None = None  # the slots of a dict's values or a list's items
     match node:
         case AtomNode() | TensorNode():
             return True
@@ -294,28 +343,27 @@ def _eligible(
                 return False
             key_types[memo] = types_
             if not _all_tensor_nodes(values):
-                yield from slots.add_in_slices(path, keys, values)
+                here = [-1] * len(values)
             children: tuple[Node, ...] = values + tuple(n for _, n in attrs)
-            steps: Sequence[Any] = keys + tuple(Attr(name) for name, _ in attrs)
         case SeqNode(_, cls, items, None, ()) if cls is list or cls is tuple:
             if cls is list and not _all_tensor_nodes(items):
-                yield from slots.add_in_slices(path, range(len(items)), items)
-            children, steps = items, range(len(items))
+                here = [-1] * len(items)
+            children = items
         case _:
             return False
-    for step, child in zip(steps, children, strict=True):
-        if (
-            type(child) is not AtomNode
-            and type(child) is not TensorNode
-            and not (yield from _eligible(child, key_types, runs, slots, (*path, step)))
-        ):
+    for i, child in enumerate(children):
+        if type(child) is AtomNode:
+            slots.add(child, here, i)
+        elif type(child) is not TensorNode and not (yield from _eligible(child, key_types, runs, slots)):
             return False
         if slice_over():  # an optimizer's state: thousands of small dicts
             yield
     items_ = node.values if type(node) is DictNode else node.items  # type: ignore[union-attr]
+    slots.close(items_, here)
     if items_ and _all_tensor_nodes(items_):
         first = items_[0].position  # type: ignore[union-attr]
-        # At C speed, a block at a time: a generator a tensor held the loop for milliseconds.
+        # At C speed, a block at a time: a generator over a module's 20,000 tensors held
+        # the loop ~3 ms.
         for start in range(0, len(items_), 2048):
             block = items_[start : start + 2048]
             if list(map(_position, block)) != list(range(first + start, first + start + len(block))):
@@ -348,11 +396,9 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     slots = _SlotsMade()
     if not (yield from _eligible(plan.root, key_types, runs, slots)):
         return None
+    atoms = yield from slots.iter_made(plan.root)
     cdata: list[int] = []
-    for start in range(0, len(source.storages), 2048):
-        cdata += map(_cdata, source.storages[start : start + 2048])
-        if slice_over():
-            yield
+    yield from each_block(source.storages, lambda block: cdata.extend(map(_cdata, block)))
     signatures, meta_signatures = yield from _signatures(source, cdata)
     nbytes, of, shared = yield from _storage_columns(plan)
     fast = FastPlan(
@@ -362,7 +408,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
         nbytes,
         runs,
         shared=shared,
-        atoms=slots.made(),
+        atoms=atoms,
         storage_of=of,
         dtensors=dtensors,
         meta_signatures=meta_signatures,
@@ -419,42 +465,42 @@ def _signatures(
 
 
 def _storage_columns(plan: StagePlan) -> Steps[tuple[int, list[int], tuple[int, ...]]]:
-    """The plan's bytes, each tensor's storage, and the tensors that share a storage."""
-    storages = plan.storages
-    nbytes = 0
-    for start in range(0, len(storages), 1024):
-        nbytes += sum(s.nbytes for s in storages[start : start + 1024])
-        if slice_over():
-            yield
-    # At C speed, a block at a time: neither a Python step a tensor nor one pass over all.
+    """The plan's bytes, each tensor's storage, and the tensors that share a storage (at C
+    speed, a block at a time: neither a Python step a tensor nor one pass over all)."""
+    sizes: list[int] = []
+    yield from each_block(plan.storages, lambda block: sizes.append(sum(s.nbytes for s in block)))
     of: list[int] = []
     views: collections.Counter[int] = collections.Counter()
-    for start in range(0, len(plan.tensors), 2048):
-        block = list(map(_storage_of, plan.tensors[start : start + 2048]))
-        of += block
-        views.update(block)
-        if slice_over():
-            yield
+
+    def count(block: Sequence[TensorSpec]) -> None:
+        storage_of = list(map(_storage_of, block))
+        of.extend(storage_of)
+        views.update(storage_of)
+
+    yield from each_block(plan.tensors, count)
     shared: tuple[int, ...] = ()
     if len(views) != len(of):
         shared = tuple(itertools.compress(range(len(of)), map((1).__lt__, map(views.__getitem__, of))))
-    return nbytes, of, shared
+    return sum(sizes), of, shared
 
 
 def _arm_guards(fast: FastPlan, source: PlannedSource) -> Steps[None]:
-    """Arm the chunk guards of a new ``fast`` plan from the sources it was made of."""
-    # The sources are what the plan was made of, so each chunk passes the full check as it
-    # stands: its guard is armed now, and the next stage, not the one after, is guarded
-    # (the first re-check of small-20k took ~60 ms, the later ones ~30: a full check and
-    # ~20 ms of guards built on the stage's path).
-    if _TensorGuards is not None:
-        for start in range(0, len(source.tensors), _CHUNK):
-            chunk = source.tensors[start : start + _CHUNK]
-            expected = fast.signatures[start : start + len(chunk)]
-            if tuple(id(type(t)) for t in chunk) == tuple(sig[0] for sig in expected):
-                _arm(fast.guards, start, chunk, expected, meta_only=False)
-            if slice_over():
-                yield
+    """Arm the chunk guards of a new ``fast`` plan from the sources it was made of.
+
+    The sources are what the plan was made of, so each chunk passes the full check as it
+    stands: its guard is armed now, and the next stage, not the one after, is guarded (a
+    full check and the guards built on the stage's path made the first re-check twice as
+    slow as the later ones).
+    """
+    if _TensorGuards is None:
+        return
+    for start in range(0, len(source.tensors), _CHUNK):
+        chunk = source.tensors[start : start + _CHUNK]
+        expected = fast.signatures[start : start + len(chunk)]
+        if tuple(id(type(t)) for t in chunk) == tuple(sig[0] for sig in expected):
+            _arm(fast.guards, start, chunk, expected, meta_only=False)
+        if slice_over():
+            yield
 
 
 _CHUNK = 256
@@ -699,7 +745,7 @@ def _unwrap_in_slices(columns: DTensorColumns, values: list[Any]) -> Steps[list[
 
 
 _UNWRAP_BLOCK = 512
-"""DTensors unwrapped between two looks at the clock (~1 us each)."""
+"""DTensors unwrapped between two looks at the clock (~0.9 us each: 2,048 held the loop ~2.6 ms)."""
 _kind = operator.attrgetter("kind")
 _mesh = operator.attrgetter("mesh")
 _spec = operator.attrgetter("_spec")
@@ -756,8 +802,8 @@ def iter_match(
         return None
     # A tensor object met at two positions the plan holds apart would be one in a new plan.
     # Once every storage is checked, only tensors of a shared storage can be one object (the
-    # storage check refuses one object at the positions of two storages): hashing every
-    # id into a set costs milliseconds, and most plans share no storage.  The objects of the
+    # storage check refuses one object at the positions of two storages): 20,000 ids
+    # hashed into a set cost ~2.5 ms, and most plans share no storage.  The objects of the
     # tree, not DTensors' locals: the planner knows a tensor met twice by the tree's object.
     distinct = values if meta_only or walk_only else list(map(values.__getitem__, fast.shared))
     if not (yield from distinct_in_slices(distinct)):
@@ -768,16 +814,24 @@ def iter_match(
 
 
 def set_atoms(tree: Any, atoms: AtomSlots, values: Iterable[tuple[int, Any]]) -> None:
-    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of).
+    """Put each ``(slot, value)`` into ``tree`` (a staged tree of the plan ``atoms`` is of),
+    following the slot's trail: each step names the key, index or attribute the plan has
+    at that position.
 
     Only where the slot is: a key or index that is gone raises ``LookupError`` (setting the
     key would add it back, at the end of its dict).
     """
     for slot, value in values:
-        *steps, last = atoms.paths[slot]
+        *steps, last = atoms.trails[slot]
+        node: Any = atoms.root
         container = tree
-        for step in steps:
-            container = getattr(container, step.name) if type(step) is Attr else container[step]
-        if type(container) is not list and last not in container:
-            raise KeyError(last)
-        container[last] = value
+        for i in steps:
+            if type(node) is DictNode and i >= len(node.values):
+                container = getattr(container, node.attrs[i - len(node.values)][0])
+            else:
+                container = container[node.keys[i] if type(node) is DictNode else i]
+            node = plan_children(node)[i]
+        key = node.keys[last] if type(node) is DictNode else last
+        if type(container) is not list and key not in container:
+            raise KeyError(key)
+        container[key] = value
