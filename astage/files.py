@@ -5,12 +5,12 @@ For tools and programs that only read what astage wrote (an evaluation job, a co
 the header within its parse bound, every checksum, no pickle.
 """
 
-from ._files.durable import CheckpointFileInfo as CheckpointFileInfo
-from ._files.durable import find_replicas as find_replicas
-from ._files.durable import inspect_checkpoint_file as inspect_checkpoint_file
-from ._files.durable import load_checkpoint_file as load_checkpoint_file
-from ._files.durable import load_checkpoint_file_sync as load_checkpoint_file_sync
 from ._files.durable import sweep_stale_temps as sweep_stale_temps
+from ._files.reading import CheckpointFileInfo as CheckpointFileInfo
+from ._files.reading import find_replicas as find_replicas
+from ._files.reading import inspect_checkpoint_file as inspect_checkpoint_file
+from ._files.reading import load_checkpoint_file as load_checkpoint_file
+from ._files.reading import load_checkpoint_file_sync as load_checkpoint_file_sync
 
 __all__ = [
     "CheckpointFileInfo",

@@ -9,7 +9,8 @@ from typing import Any
 import anyio
 
 import astage
-from astage._files.durable import find_replicas, replica_path, write_checkpoint_file
+from astage._files.durable import replica_path, write_checkpoint_file
+from astage._files.reading import find_replicas
 from astage._format.codec import encode
 
 

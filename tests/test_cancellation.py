@@ -41,7 +41,8 @@ from blockbuster import blockbuster_ctx
 
 import astage
 import astage._files.durable
-from astage._files.durable import load_checkpoint_file_sync, replica_path, write_checkpoint_file
+from astage._files.durable import replica_path, write_checkpoint_file
+from astage._files.reading import load_checkpoint_file_sync
 from astage._format.codec import encode
 from astage._staging.copies import run_batch
 from tests.distributed import run_group

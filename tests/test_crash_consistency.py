@@ -31,12 +31,8 @@ import anyio
 import torch
 
 import astage
-from astage._files.durable import (
-    is_temp_name,
-    load_checkpoint_file_sync,
-    sweep_stale_temps,
-    write_checkpoint_file,
-)
+from astage._files.durable import is_temp_name, sweep_stale_temps, write_checkpoint_file
+from astage._files.reading import load_checkpoint_file_sync
 from astage._format.codec import encode
 from tests.distributed import _context
 from tests.statedicts import assert_same_tree

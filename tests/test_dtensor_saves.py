@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 import astage
-from astage._files.durable import find_replicas, load_checkpoint_file
+from astage._files.reading import find_replicas, load_checkpoint_file
 from astage._format.codec import FORMAT_VERSION, parse_prefix
 from tests.distributed import run_group
 from tests.fsdp2_job import fsdp2_job, train_step

@@ -24,7 +24,8 @@ from typing import Any
 import anyio
 import pytest
 
-from astage._files.durable import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
+from astage._files.durable import is_temp_name, write_checkpoint_file
+from astage._files.reading import load_checkpoint_file_sync
 from tests.strace import (
     MKDIRS,
     OPENS,

@@ -34,7 +34,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from astage._files.durable import is_temp_name, load_checkpoint_file_sync, write_checkpoint_file
+from astage._files.durable import is_temp_name, write_checkpoint_file
+from astage._files.reading import load_checkpoint_file_sync
 from tests.strace import (
     CHUNK,
     CLEANUP,

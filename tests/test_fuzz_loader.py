@@ -60,7 +60,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import astage
-from astage._files.durable import find_replicas, load_checkpoint_file_sync
+from astage._files.reading import find_replicas, load_checkpoint_file_sync
 from astage._format.codec import (
     ALIGNMENT,
     FIXED_PREFIX_NBYTES,

@@ -33,13 +33,8 @@ import torch.distributed as dist
 
 import astage
 from astage import _transport
-from astage._files.durable import (
-    find_replicas,
-    is_temp_name,
-    load_checkpoint_file_sync,
-    replica_path,
-    sweep_stale_temps,
-)
+from astage._files.durable import is_temp_name, replica_path, sweep_stale_temps
+from astage._files.reading import find_replicas, load_checkpoint_file_sync
 from astage._format.codec import encode, parse_prefix
 from astage._format.encoder import join_prefix
 from tests.distributed import RankResult, kill_self, run_group, stop_self

@@ -32,15 +32,13 @@ from astage._files import durable as _persist
 from astage._files.durable import (
     CheckpointFileWriter,
     blocking_io,
-    find_replicas,
     is_temp_name,
-    load_checkpoint_file,
-    load_checkpoint_file_sync,
     replica_path,
     sweep_stale_temps,
     temp_path_for,
     write_checkpoint_file,
 )
+from astage._files.reading import find_replicas, load_checkpoint_file, load_checkpoint_file_sync
 from astage._format import codec as _format
 from astage._format.codec import Encoded, encode
 from tests.helpers import no_blocking_calls_on_the_loop, tmpfs  # noqa: F401 - autouse fixture

@@ -48,13 +48,9 @@ import torch
 
 from .. import _transport
 from .._files.directory import open_step_dir
-from .._files.durable import (
-    CheckpointFile,
-    DirOpener,
-    blocking_io,
-    inspect_checkpoint_file,
-)
+from .._files.durable import DirOpener, blocking_io
 from .._files.markers import FileEntry, Marker, header_check, storages_crc32c
+from .._files.reading import CheckpointFile, inspect_checkpoint_file
 from .._files.steps import StepStore
 from .._format.codec import BodyVerifier, FileHeader, parse_prefix
 from .._replication.records import GroupSession, time_left

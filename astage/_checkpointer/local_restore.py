@@ -19,8 +19,9 @@ from typing import Any
 
 import anyio
 
-from .._files.durable import blocking_io, find_replicas, load_checkpoint_file
+from .._files.durable import blocking_io
 from .._files.markers import Marker, header_check
+from .._files.reading import find_replicas, load_checkpoint_file
 from .._format.codec import FileHeader
 from .._util.errors import IntegrityError, ResourceError
 

@@ -29,7 +29,8 @@ from typing import Final, Literal
 
 from .._util.errors import ConfigurationError, IntegrityError, PersistError, ResourceError
 from .._util.limits import INT64, RANK_LIMIT
-from .durable import open_directory, open_regular
+from .durable import open_directory
+from .reading import open_regular
 
 _STEP_DIR_RE: Final = re.compile(r"\Astep_([0-9]{10,19})\Z")
 

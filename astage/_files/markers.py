@@ -26,7 +26,7 @@ from .._format.codec import Encoded, FileHeader
 from .._util.errors import IntegrityError
 from .._util.limits import INT64, RANK_LIMIT
 from .directory import rank_file_names
-from .durable import inspect_checkpoint_file, load_checkpoint_file_sync, open_regular
+from .reading import inspect_checkpoint_file, load_checkpoint_file_sync, open_regular
 
 MARKER_FORMAT: Final = "astage-checkpoint"
 """The ``format`` field of every commit marker."""
@@ -219,7 +219,7 @@ def check_committed(
     storage checksums); with it every byte is read and every checksum verified, as
     :meth:`astage.Checkpointer.restore` would.
 
-    :param on_read: passed to :func:`~astage._files.durable.load_checkpoint_file_sync` (progress).
+    :param on_read: passed to :func:`~astage._files.reading.load_checkpoint_file_sync` (progress).
     :raises IntegrityError: a file does not match its marker or is corrupt.
     :raises OSError: a file is missing or cannot be read.
     """

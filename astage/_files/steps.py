@@ -29,8 +29,9 @@ from .directory import (
     step_dir_name,
     step_dir_opener,
 )
-from .durable import blocking_io, load_checkpoint_file, write_checkpoint_file
+from .durable import blocking_io, write_checkpoint_file
 from .markers import Marker
+from .reading import load_checkpoint_file
 from .retention import Retention, delete_step, scan
 
 log = logging.getLogger("astage.checkpointer")

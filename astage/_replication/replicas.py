@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .._files.durable import CheckpointFile, inspect_checkpoint_file, replica_path
+from .._files.durable import replica_path
+from .._files.reading import CheckpointFile, inspect_checkpoint_file
 from .._format.codec import byte_view, verify_body
 from .._util.errors import IntegrityError
 
@@ -45,7 +46,7 @@ def held_replica_paths(storage_dir: Path, *, owner_rank: int, holder_rank: int) 
 def read_replica_file(path: Path) -> tuple[bytes, torch.Tensor] | None:
     """A held replica's prefix and body, verified; ``None`` if missing or invalid.
 
-    Opened like every replica astage reads (:class:`astage._files.durable.CheckpointFile`): a link
+    Opened like every replica astage reads (:class:`astage._files.reading.CheckpointFile`): a link
     or a FIFO planted under the replica's name is refused, never followed or waited on.
     """
     try:
