@@ -83,8 +83,11 @@ def main() -> None:
     parser.add_argument("--firsts", type=int, default=3)
     parser.add_argument("--steadies", type=int, default=10)
     parser.add_argument("--recipe", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke test: scale 0.01, one stage of each")
     args = parser.parse_args()
-    sd = CASES[args.case](1.0)
+    if args.quick:
+        args.firsts, args.steadies = 1, 1
+    sd = CASES[args.case](0.01 if args.quick else 1.0)
     gc.collect()  # building the input is not the stage's
     gc.callbacks.append(_record)
     print(json.dumps(asyncio.run(_run(sd, args.firsts, args.steadies, args.recipe))))
