@@ -51,6 +51,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import anyio
 import anyio.abc
 
+from .._files.body_reads import read_lanes
 from .._files.directory import open_and_lock, open_step_dir, rank_file_names, step_dir_name, step_dir_opener
 from .._files.durable import blocking_io, load_checkpoint_file
 from .._files.markers import Marker
@@ -70,6 +71,7 @@ from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .._util.resource import AsyncResource
 from .._util.validate import check_path
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
+from .restore_into import Destination, Loader, RestoreLoads, restore_loads
 from .save_pipeline import EventKind, Job, Persister
 
 log = logging.getLogger("astage.checkpointer")
@@ -790,9 +792,24 @@ class Checkpointer(AsyncResource):
     # -- restoring -----------------------------------------------------------------------
 
     async def restore(
-        self, step: int | None = None, *, collective: bool | None = None, on_read: OnRead | None = None
+        self,
+        step: int | None = None,
+        *,
+        collective: bool | None = None,
+        on_read: OnRead | None = None,
+        into: Any = None,
     ) -> Any:
-        """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU.
+        """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU,
+        or into the caller's own tensors (``into``).
+
+        **In place** (``into=state_dict``): the caller's tensors (CPU or accelerator) are
+        filled with the checkpoint's bytes, matched by key path; dtype, shape and flags are
+        checked for every tensor before any byte is written
+        (:class:`~astage.DestinationMismatchError`, naming the key path).  The returned tree
+        is the checkpoint's, with the caller's tensor objects in it and its non-tensor
+        leaves (steps, RNG states) new.  Whatever ends such a restore early, its exception
+        carries ``fill_report`` (:class:`~astage.FillReport`): which tensors were filled,
+        written in part, or untouched.  See ``docs/guides/restore-in-place.md``.
 
         **Collective** (``collective=True``; the default when ``replication`` is a
         :class:`~astage.ReplicationStager` and no ``fallback_dirs`` are given): every rank of
@@ -821,11 +838,27 @@ class Checkpointer(AsyncResource):
         :raises TransportError: (collective) a peer failed; the group is then broken.
         :raises ConfigurationError: ``collective=True`` without a ReplicationStager, or
             ``on_read`` is not callable.
+        :raises DestinationMismatchError: (``into``) the checkpoint does not fit ``into``.
         """
         self._check_open("restore")
         if on_read is not None and not callable(on_read):
             raise ConfigurationError(f"on_read must be callable or None, not {type(on_read).__name__}")
         progress = ReadProgress(on_read)
+        lanes = read_lanes(self._threads)
+        if into is None:
+            return await self._restore(step, collective, progress, restore_loads(None, lanes, self._limiter))
+        destination = await Destination.plan(into)
+        try:
+            loads = restore_loads(destination, lanes, self._limiter)
+            return await self._restore(step, collective, progress, loads)
+        except BaseException as exc:
+            destination.annotate(exc)
+            raise
+
+    async def _restore(
+        self, step: int | None, collective: bool | None, progress: ReadProgress, loads: RestoreLoads
+    ) -> Any:
+        """:meth:`restore`, routed: collective, or local (own file, then replicas)."""
         if collective is None or collective:
             from .._replication.stager import ReplicationStager
 
@@ -833,7 +866,7 @@ class Checkpointer(AsyncResource):
                 from .collective_restore import collective_restore
 
                 return await collective_restore(
-                    self, self._replication, None if step is None else _check_step(step), progress
+                    self, self._replication, None if step is None else _check_step(step), progress, loads
                 )
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
@@ -843,8 +876,8 @@ class Checkpointer(AsyncResource):
                 raise ResourceError(f"no committed checkpoint of rank {self._rank} in {self._directory}")
         _check_step(step)
         fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
-        places = ReplicaPlaces(fetch, self._fallback_dirs, self._limiter)
-        load_own = functools.partial(self._load_local, step, on_read=progress.advance)
+        places = ReplicaPlaces(fetch, self._fallback_dirs, self._limiter, loads.file)
+        load_own = functools.partial(self._load_local, step, on_read=progress.advance, load=loads.file)
         marker = self._committed.get(step)
         return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places, progress)
 
@@ -854,8 +887,9 @@ class Checkpointer(AsyncResource):
         path: Path,
         check: Callable[[FileHeader], None],
         on_read: Callable[[int], None] | None = None,
+        load: Loader = load_checkpoint_file,
     ) -> Any:
-        """Load ``path``, this rank's file of ``step``, never through a link.
+        """Load ``path``, this rank's file of ``step``, never through a link (with ``load``).
 
         :raises PersistError: the step directory is a link or not a directory.
         :raises IntegrityError: the file is not a regular file, is corrupt, or fails ``check``.
@@ -864,9 +898,7 @@ class Checkpointer(AsyncResource):
         opener = functools.partial(open_step_dir, self._dir_fd, self.step_dir(step).name, create=False)
         step_fd = await blocking_io(opener, limiter=self._limiter)
         try:
-            return await load_checkpoint_file(
-                path, limiter=self._limiter, check=check, dir_fd=step_fd, on_read=on_read
-            )
+            return await load(path, limiter=self._limiter, check=check, dir_fd=step_fd, on_read=on_read)
         finally:
             with anyio.CancelScope(shield=True):
                 await blocking_io(os.close, step_fd, limiter=self._limiter)

@@ -809,6 +809,10 @@ class _CheckpointFile:
             raise IntegrityError(f"{self.path}: {exc}") from exc
 
 
+CheckpointFile = _CheckpointFile
+"""The name other rooms open a checkpoint file by (:mod:`astage._files.body_reads`)."""
+
+
 def _chunks(header: FileHeader, body: torch.Tensor) -> Iterator[tuple[memoryview, int]]:
     view = byte_view(body)
     for start in range(0, len(view), CHUNK_NBYTES):
