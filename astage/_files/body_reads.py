@@ -20,8 +20,8 @@ Invariants:
 * Every storage a sink is told is verified has exactly the bytes of the file whose
   checksum matched; every storage whose memory got any byte is in
   :attr:`ReadLedger.started` before the byte is written.
-* A lane's worker-thread call reads at most :data:`CALL_BYTES`: cancellation lands after
-  it, and progress is reported between calls, on the event loop.
+* A lane's worker-thread call reads about :data:`astage._files.durable.CHUNK_NBYTES`:
+  cancellation lands after it, and progress is reported between calls, on the event loop.
 * A failure in one lane stops the others after their current call; the first error is
   raised as it is.
 """
@@ -46,12 +46,10 @@ from .._util.collector import promote
 from .._util.errors import IntegrityError, one_error
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, run_steps, slice_over
+from . import durable
 from .durable import CheckpointFile, blocking_io
 
 log = logging.getLogger("astage.persist")
-
-CALL_BYTES: Final = 32 << 20
-"""Most bytes one worker-thread call of a lane reads: bounds how late a cancellation lands."""
 
 BATCH_BYTES: Final = 2 << 20
 """Most bytes one ``preadv`` reads: its bytes are checksummed right after, still in the cache."""
@@ -271,7 +269,7 @@ async def read_pieces(
 
     async def lane(reader: LaneReader) -> None:
         while not reader.finished:
-            n = await run_sync(reader.run, CALL_BYTES, limiter=limiter)
+            n = await run_sync(reader.run, durable.CHUNK_NBYTES, limiter=limiter)
             if on_read is not None and n:
                 on_read(n)
 
