@@ -847,8 +847,9 @@ class Checkpointer(AsyncResource):
         lanes = read_lanes(self._threads)
         if into is None:
             return await self._restore(step, collective, progress, restore_loads(None, lanes, self._limiter))
-        destination = await Destination.plan(into)
+        destination = Destination(into)
         try:
+            await destination.plan()
             loads = restore_loads(destination, lanes, self._limiter)
             return await self._restore(step, collective, progress, loads)
         except BaseException as exc:

@@ -298,11 +298,17 @@ def _whole(
 
 
 def _covers(local: torch.Tensor, nbytes: int) -> bool:
-    return (
-        local.is_contiguous()
-        and local.storage_offset() == 0
-        and local.numel() * local.element_size() == nbytes
-    )
+    """Whether ``local`` reaches every byte of its ``nbytes``-byte storage and nothing twice
+    but along expanded (stride 0) dims: dense in some order of its dims, from offset 0."""
+    if local.storage_offset() != 0:
+        return False
+    dims = sorted((s, n) for n, s in zip(local.shape, local.stride(), strict=True) if n > 1 and s)
+    reach = 1
+    for s, n in dims:
+        if s != reach:
+            return False
+        reach *= n
+    return reach * local.element_size() == nbytes
 
 
 def _lookup(tree: Any, path: KeyPath) -> Any:

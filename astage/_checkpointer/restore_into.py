@@ -88,27 +88,27 @@ class FillReport:
 class Destination:
     """The caller's tree being filled, and what has been written to it so far."""
 
-    def __init__(self, into: Any, source: PlannedSource, paths: list[KeyPath]) -> None:
+    def __init__(self, into: Any) -> None:
         self.into = into
-        self.source = source
+        self.source: PlannedSource | None = None
         self.state: dict[KeyPath, str] = {}  # key path -> FILLED or PARTIAL; written from worker threads
-        self.all_paths = paths
+        self.all_paths: list[KeyPath] = []
 
-    @classmethod
-    async def plan(cls, into: Any) -> Destination:
+    async def plan(self) -> None:
         """Plan ``into``: its tensors (CPU or the machine's accelerator) and their key paths.
 
         :raises UnsupportedInputError: a value of ``into`` that cannot be planned, named.
         """
-        source = await run_steps(iter_plan(into, allowed_devices=supported_devices()))
+        source = await run_steps(iter_plan(self.into, allowed_devices=supported_devices()))
         places = await run_steps(iter_places(source.plan))
-        return cls(into, source, list(places))
+        self.source, self.all_paths = source, list(places)
 
     async def match(self, header: FileHeader) -> FillPlan:
         """How to fill this destination from a copy of ``header``.
 
         :raises DestinationMismatchError: before any byte of it is written.
         """
+        assert self.source is not None, "plan() first"
         return await run_steps(iter_match(header.plan, self.source, self.into))
 
     def mark(self, fill: FillPlan, storage: int, state: str) -> None:
