@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import astage
-from astage._checkpointer.destination import DestinationMismatchError
+from astage._checkpointer import restore_into
+from astage._checkpointer.destination import DestinationMismatchError, Mode
 from astage._checkpointer.restore_into import FillReport
 from astage._format.spec import DTYPES
 from astage._util.errors import format_key_path
@@ -432,3 +433,30 @@ async def test_cuda_tensors_are_filled_through_pinned_buffers(tmp_path: Path) ->
         assert got[k] is dest[k], k
         assert torch.equal(dest[k].cpu(), source[k]), k
     assert got["step"] == 3
+
+
+@pytest.mark.anyio
+async def test_the_windowed_pinned_path_fills_bit_exact_on_the_cpu_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The accelerator path (windows of pooled buffers, copies after each window's storages
+    are verified, buffers given back once their copies are done) run with CPU tensors as its
+    targets: what the GPU-marked test runs, checked on any machine."""
+    source = source_state(7)
+    await saved(tmp_path, source)
+    match = restore_into.Destination.match
+
+    async def as_device(self: restore_into.Destination, header: Any) -> Any:
+        fill = await match(self, header)
+        fill.storages = [
+            f._replace(mode=Mode.DEVICE) if f.mode in (Mode.DIRECT, Mode.BOUNCE) else f for f in fill.storages
+        ]
+        return fill
+
+    monkeypatch.setattr(restore_into.Destination, "match", as_device)
+    monkeypatch.setattr(restore_into, "WINDOW_BYTES", 256)  # many windows, a buffer each
+    dest = destination_state()
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        got = await ckpt.restore(into=dest)
+    assert_filled(dest, source)
+    assert got["model"]["float16"]["window"] is dest["model"]["float16"]["window"]
