@@ -13,6 +13,7 @@ from ._checkpointer.checkpointer import Replicator as Replicator
 from ._checkpointer.checkpointer import SaveEvent as SaveEvent
 from ._checkpointer.checkpointer import SaveHandle as SaveHandle
 from ._checkpointer.checkpointer import SaveStats as SaveStats
+from ._checkpointer.restore_into import FillReport as FillReport
 from ._files.durable import CheckpointFileInfo as CheckpointFileInfo
 from ._files.durable import find_replicas as find_replicas
 from ._files.durable import inspect_checkpoint_file as inspect_checkpoint_file
@@ -34,6 +35,7 @@ from ._util.errors import AstageError as AstageError
 from ._util.errors import CapacityError as CapacityError
 from ._util.errors import ClosedError as ClosedError
 from ._util.errors import ConfigurationError as ConfigurationError
+from ._util.errors import DestinationMismatchError as DestinationMismatchError
 from ._util.errors import EventLoopError as EventLoopError
 from ._util.errors import IntegrityError as IntegrityError
 from ._util.errors import PeerReportedError as PeerReportedError
@@ -77,7 +79,9 @@ __all__ = [
     "ClosedError",
     "ConfigurationError",
     "DefaultStager",
+    "DestinationMismatchError",
     "EventLoopError",
+    "FillReport",
     "IntegrityError",
     "PeerReportedError",
     "PeerTimeoutError",

@@ -96,7 +96,8 @@ async def test_a_restore_from_a_replica_reports_the_replica_read(tmp_path: Path,
     assert len(runs) == (1 if damage == "missing" else 2), [r[-1] for r in runs]
     for refused in runs[:-1]:
         done = [d for d, _ in refused]
-        assert done == sorted(done) and 0 < done[-1] <= refused[0][1], refused
+        assert done == sorted(done), refused
+        assert 0 < done[-1] <= refused[0][1], refused
     assert_ramp(runs[-1])
 
 

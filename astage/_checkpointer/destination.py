@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
-from typing import Any, Final, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,29 +42,8 @@ from .._staging.plan import (
     TensorNode,
     TensorSpec,
 )
-from .._util.errors import Attr, KeyPath, UnsupportedInputError, format_key_path
+from .._util.errors import Attr, DestinationMismatchError, KeyPath
 from .._util.timeslice import Steps, slice_over
-
-_SHOWN_PROBLEMS: Final = 5
-"""Problems listed in a mismatch error's notes besides the first (the count says the rest)."""
-
-
-class DestinationMismatchError(UnsupportedInputError):
-    """The destination of ``restore(into=...)`` does not match the checkpoint; nothing was written.
-
-    :ivar key_path: the first mismatching key path.
-    :ivar problems: every ``(key path, what was expected and found)``, in the file's order.
-    """
-
-    def __init__(self, problems: list[tuple[KeyPath, str]]) -> None:
-        super().__init__(problems[0][0], problems[0][1] + "; nothing was written")
-        self.problems = problems
-        if len(problems) > 1:
-            self.add_note(f"{len(problems) - 1} more mismatch(es):")
-            for path, message in problems[1 : 1 + _SHOWN_PROBLEMS]:
-                self.add_note(f"  {format_key_path(path)}: {message}")
-            if len(problems) > 1 + _SHOWN_PROBLEMS:
-                self.add_note(f"  ... and {len(problems) - 1 - _SHOWN_PROBLEMS} more")
 
 
 class Mode(enum.Enum):
