@@ -288,6 +288,54 @@ def child_save(state: Any, method: str, root: Path) -> dict[str, Any]:
     return {"seconds": seconds, "rss": 0, "lags": []}
 
 
+# -- the GPU -----------------------------------------------------------------------------------------
+
+
+def gpu(scale: float, runs: int) -> int:
+    """``restore(into=cuda tensors)`` against a pinned host-to-device ``copy_`` of the same
+    bytes (target: at least 0.8x its throughput)."""
+    if not torch.cuda.is_available():
+        print("no CUDA device: the GPU restore benchmark did not run")
+        return 0
+    import astage
+
+    state = gpt2_adam_state_dict(scale)
+    model = model_like(state)
+    cuda = {k: v.cuda() for k, v in distinct(flat(model)).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in cuda.values())
+    pinned = {k: distinct(flat(state))[k].pin_memory() for k in cuda}
+
+    def ceiling() -> float:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for k, t in cuda.items():
+            t.copy_(pinned[k], non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - began
+
+    async def restore(directory: Path) -> list[float]:
+        async with astage.Checkpointer(directory) as ckpt:
+            await (await ckpt.save(1, distinct(flat(state)))).wait()
+            seconds = []
+            for _ in range(runs):
+                torch.cuda.synchronize()
+                began = time.perf_counter()
+                await ckpt.restore(into=cuda)
+                seconds.append(time.perf_counter() - began)
+        return seconds
+
+    best_ceiling = median([ceiling() for _ in range(runs)])
+    with tempfile.TemporaryDirectory() as tmp:
+        restored = median(asyncio.run(restore(Path(tmp))))
+    assert all(torch.equal(cuda[k].cpu(), distinct(flat(state))[k]) for k in cuda)
+    ratio = best_ceiling / restored
+    verdict = "PASS" if ratio >= 0.8 else "MISS"
+    print(f"GPU restore (gpt2-adam, {nbytes / 1e9:.2f} GB):")
+    print(f"  pinned copy_ ceiling {nbytes / best_ceiling / 1e9:.1f} GB/s")
+    print(f"  restore(into=cuda) {nbytes / restored / 1e9:.1f} GB/s: {ratio:.2f}x (target >= 0.8x) {verdict}")
+    return 0
+
+
 # -- the parent -----------------------------------------------------------------------------------------
 
 
@@ -365,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke test: scale 0.01, one run")
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="only these inputs")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--gpu", action="store_true", help="restore(into=cuda) against a pinned copy_")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -373,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(child(args.case[0], scale, args.child, args.root)))
         return 0
     runs = 1 if args.quick else args.runs
+    if args.gpu:
+        return gpu(scale, max(runs, 2))
     payload: dict[str, Any] = {"environment": environment(), "scale": scale, "runs": runs, "cases": []}
     for case in args.case or list(CASES):
         with tempfile.TemporaryDirectory(prefix=f"bench-restore-{case}-") as tmp:

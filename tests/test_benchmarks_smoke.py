@@ -209,3 +209,11 @@ def test_bench_restore_quick_prints_every_method_and_the_targets(tmp_path: Path)
         into = case["results"]["astage restore(into=)"]
         assert into["seconds"] > 0
         assert into["lag_max_ms"] is not None
+
+
+def test_bench_restore_gpu_without_cuda_says_so_and_exits_cleanly() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: gpu_validate.sh runs the real thing")
+    done = run_bench("bench_restore", "--gpu", "--quick", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout
