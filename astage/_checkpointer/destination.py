@@ -175,9 +175,11 @@ def iter_match(file_plan: StagePlan, dest: PlannedSource, into: Any) -> Steps[Fi
             problems.append((path, problem))
         if slice_over():
             yield
-    problems += [
-        (path, "unexpected: the file holds no tensor here") for path in dest_places if path not in file_places
-    ]
+    for path in dest_places:
+        if path not in file_places:
+            problems.append((path, "unexpected: the file holds no tensor here"))
+        if slice_over():
+            yield
     if problems:
         raise DestinationMismatchError(problems)
     return (yield from _iter_fill_plan(file_plan, dest, into, assigned, dest_places))
@@ -193,10 +195,14 @@ def _iter_fill_plan(
     by_storage: list[list[int]] = [[] for _ in file_plan.storages]  # destination positions
     for dpos, fpos in assigned.items():
         by_storage[file_plan.tensors[fpos].storage].append(dpos)
+        if slice_over():
+            yield
     users: dict[int, int] = {}  # destination storage -> file storages filling it
     for dposes in by_storage:
         for d in {dest.plan.tensors[p].storage for p in dposes}:
             users[d] = users.get(d, 0) + 1
+        if slice_over():
+            yield
     back = dict(assigned)
     leaves = (TensorKind.NDARRAY, TensorKind.BYTESIO)
     kept = frozenset(t.storage for t in file_plan.tensors if t.kind in leaves)
@@ -214,7 +220,13 @@ def _iter_fill_plan(
     paths: list[list[KeyPath]] = [[] for _ in file_plan.storages]
     for path, dpos in dest_places.items():
         paths[file_plan.tensors[back[dpos]].storage].append(path)
-    originals = {fpos: _lookup(into, file_plan.tensors[fpos].key_path) for fpos in assigned.values()}
+        if slice_over():
+            yield
+    originals: dict[int, Any] = {}
+    for fpos in assigned.values():
+        originals[fpos] = _lookup(into, file_plan.tensors[fpos].key_path)
+        if slice_over():
+            yield
     return FillPlan(fills, originals, paths)
 
 

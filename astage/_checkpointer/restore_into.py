@@ -44,9 +44,10 @@ from .._staging.events import wait_event
 from .._staging.plan import PlannedSource, StagePlan, TensorSpec, iter_plan, supported_devices
 from .._staging.pool import BufferKind, BufferPool, Lease
 from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
+from .._util.collector import gc_paused, promote, without_gc
 from .._util.errors import KeyPath, format_key_path
 from .._util.threads import run_sync
-from .._util.timeslice import run_steps, within
+from .._util.timeslice import Steps, run_steps, within
 from .destination import FillPlan, Mode, StorageFill, iter_match, iter_places
 
 log = logging.getLogger("astage.checkpointer")
@@ -99,9 +100,14 @@ class Destination:
 
         :raises UnsupportedInputError: a value of ``into`` that cannot be planned, named.
         """
-        source = await run_steps(iter_plan(self.into, allowed_devices=supported_devices()))
-        places = await run_steps(iter_places(source.plan))
-        self.source, self.all_paths = source, list(places)
+        with gc_paused():  # one pause, promoted at its end (astage._util.collector)
+            self.source, self.all_paths = await run_steps(self._iter_plan())
+
+    def _iter_plan(self) -> Steps[tuple[PlannedSource, list[KeyPath]]]:
+        source = yield from iter_plan(self.into, allowed_devices=supported_devices())
+        places = yield from iter_places(source.plan)
+        promote(len(places))  # lives as long as the restore: no full collection for it (collector)
+        return source, list(places)
 
     async def match(self, header: FileHeader) -> FillPlan:
         """How to fill this destination from a copy of ``header``.
@@ -109,7 +115,14 @@ class Destination:
         :raises DestinationMismatchError: before any byte of it is written.
         """
         assert self.source is not None, "plan() first"
-        return await run_steps(iter_match(header.plan, self.source, self.into))
+        with gc_paused():
+            return await run_steps(self._iter_match(header))
+
+    def _iter_match(self, header: FileHeader) -> Steps[FillPlan]:
+        assert self.source is not None
+        fill = yield from iter_match(header.plan, self.source, self.into)
+        promote(len(fill.storages))
+        return fill
 
     def mark(self, fill: FillPlan, storage: int, state: str) -> None:
         for path in fill.paths[storage]:
@@ -155,7 +168,15 @@ async def returned_tree(header: FileHeader, fill: FillPlan, kept: dict[int, torc
     rebuilder = _IntoRebuilder(
         header.plan, lambda i: make_tensor(specs[i], kept[specs[i].storage]), fill.originals
     )
-    return await run_steps(within(plain_tensor_mode, rebuilder.node(header.plan.root)))
+    steps = _promoted(rebuilder.node(header.plan.root), len(specs))
+    with gc_paused():
+        return await run_steps(within(plain_tensor_mode, steps))
+
+
+def _promoted(steps: Steps[Any], count: int) -> Steps[Any]:
+    tree = yield from steps
+    promote(count)
+    return tree
 
 
 # -- copying a verified storage on --------------------------------------------------------------
@@ -319,7 +340,9 @@ async def fill_body(
     header = reading.header
     sink = IntoSink(fill, header, destination)
     device_storages = [i for i, f in enumerate(fill.storages) if f.mode is Mode.DEVICE]
-    cut = windows(pieces_of(header), fill, header.body_nbytes)
+    # Off the loop: a list and a pass over 20,000 storages take milliseconds.
+    pieces = await run_sync(without_gc(pieces_of), header, limiter=reading.limiter)
+    cut = await run_sync(without_gc(windows), pieces, fill, header.body_nbytes, limiter=reading.limiter)
     if not device_storages:
         await _read_window(reading, sink, cut[0])
         return sink.bounce
@@ -424,7 +447,10 @@ async def fill_checkpoint_file(
             check(header)
         fill = await destination.match(header)
         reading = _Reading(f.fd, f.path, header, lanes, limiter, on_read)
-        kept = await fill_body(reading, fill, destination)
+        # Paused: the lanes make a few objects a storage, which must not set off a full
+        # collection in a worker thread (it holds the GIL: the loop waits); none are cycles.
+        with gc_paused():
+            kept = await fill_body(reading, fill, destination)
     finally:
         with anyio.CancelScope(shield=True):
             await blocking_io(f.close, limiter=limiter)

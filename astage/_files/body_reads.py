@@ -42,7 +42,7 @@ import torch
 from .._format.codec import FileHeader
 from .._staging.copies import usable_cores
 from .._staging.rebuild import iter_rebuild, make_tensor
-from .._util.collector import promote
+from .._util.collector import gc_paused, promote, without_gc
 from .._util.errors import IntegrityError, one_error
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, run_steps, slice_over
@@ -265,7 +265,11 @@ async def read_pieces(
     """
     ledger = ReadLedger() if ledger is None else ledger
     begin, end = (0, header.body_nbytes) if span is None else span
-    runs = split_lanes(pieces, begin, end, lanes)
+    runs = (
+        split_lanes(pieces, begin, end, lanes)
+        if len(pieces) < 1024
+        else await run_sync(split_lanes, pieces, begin, end, lanes, limiter=limiter)
+    )
 
     async def lane(reader: LaneReader) -> None:
         while not reader.finished:
@@ -319,7 +323,9 @@ def iter_rebuild_verified(header: FileHeader, body: torch.Tensor) -> Steps[Any]:
     """The state_dict over a body every byte of which was verified, in time slices."""
     storages = yield from iter_storages(header, body)
     specs = header.plan.tensors
-    return (yield from iter_rebuild(header.plan, lambda i: make_tensor(specs[i], storages[specs[i].storage])))
+    tree = yield from iter_rebuild(header.plan, lambda i: make_tensor(specs[i], storages[specs[i].storage]))
+    promote(len(specs))
+    return tree
 
 
 async def read_checkpoint_file(
@@ -345,11 +351,13 @@ async def read_checkpoint_file(
             check(header)
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
         sink = BodySink(header, body)
+        pieces = await blocking_io(without_gc(pieces_of), header, limiter=limiter)
         await read_pieces(
-            f.fd, header, pieces_of(header), sink, path=f.path, lanes=lanes, limiter=limiter, on_read=on_read
+            f.fd, header, pieces, sink, path=f.path, lanes=lanes, limiter=limiter, on_read=on_read
         )
         del sink
     finally:
         with anyio.CancelScope(shield=True):
             await blocking_io(f.close, limiter=limiter)
-    return await run_steps(iter_rebuild_verified(header, body))
+    with gc_paused():  # the tree lives on: made in one pause, promoted (astage._util.collector)
+        return await run_steps(iter_rebuild_verified(header, body))
