@@ -61,8 +61,8 @@ class StorageFill(NamedTuple):
     mode: Mode
     pairs: tuple[tuple[TensorSpec, torch.Tensor], ...]
     """``(the file's tensor, the caller's plain tensor it fills)`` for each tensor on it."""
-    whole: torch.Tensor | None
-    """``DIRECT`` / whole ``DEVICE``: the caller's storage as a 1-D uint8 tensor."""
+    whole: torch.UntypedStorage | None
+    """``DIRECT`` / whole ``DEVICE``: the caller's storage, written whole."""
     keep: bool
     """The storage's bytes are needed afterwards: the file holds an array or BytesIO on it."""
 
@@ -267,7 +267,7 @@ def _whole(
     dposes: list[int],
     back: Mapping[int, int],
     users: Mapping[int, int],
-) -> torch.Tensor | None:
+) -> torch.UntypedStorage | None:
     """The caller's storage as bytes, where file storage ``s`` may be written over it whole:
     one destination storage of the same size, filled from no other file storage, every
     tensor on it at the file's offset and strides, one of them covering all of it."""
@@ -284,8 +284,7 @@ def _whole(
             return None
     if not any(_covers(dest.tensors[p], nbytes) for p in dposes):
         return None
-    storage = dest.storages[d]
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return dest.storages[d]
 
 
 def _covers(local: torch.Tensor, nbytes: int) -> bool:

@@ -189,8 +189,9 @@ def copy_pairs(
     tensor it fills (no autograd)."""
     with torch.no_grad():
         if fill.whole is not None:
-            src = torch.empty(0, dtype=torch.uint8).set_(storage, at, (fill.whole.numel(),), (1,))
-            fill.whole.copy_(src, non_blocking=non_blocking)
+            whole = _bytes(fill.whole)
+            src = torch.empty(0, dtype=torch.uint8).set_(storage, at, (whole.numel(),), (1,))
+            whole.copy_(src, non_blocking=non_blocking)
             return
         for spec, local in fill.pairs:
             local.copy_(_view(spec, storage, at), non_blocking=non_blocking)
@@ -260,7 +261,7 @@ class IntoSink:
         if fill.mode is Mode.DIRECT:
             assert fill.whole is not None
             self.destination.mark(self.fill, storage, PARTIAL)
-            return _writable(fill.whole)
+            return _writable(_bytes(fill.whole))
         nbytes = int(self.header.segments.nbytes[storage])
         if fill.mode is Mode.DEVICE:
             pinned, at = self.pinned[storage]
@@ -292,6 +293,11 @@ class IntoSink:
         if not fill.keep:
             del self.bounce[storage]
         self.destination.mark(self.fill, storage, FILLED)
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage`` as a 1-D uint8 tensor (made in the worker thread that uses it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _writable(t: torch.Tensor) -> memoryview:
