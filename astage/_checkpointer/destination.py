@@ -241,6 +241,10 @@ def _storage_fill(
 ) -> tuple[StorageFill, tuple[KeyPath, str] | None]:
     """The fill of file storage ``s`` (filling the destination tensors ``dposes``), or why not."""
     keep = s in kept
+    if len(dposes) == 1 and not keep:
+        direct = _direct_one(file_plan, dest, s, dposes[0], back[dposes[0]], users)
+        if direct is not None:
+            return direct, None
     pairs = tuple((file_plan.tensors[back[d]], dest.tensors[d]) for d in dposes)
     if not pairs:
         return StorageFill(Mode.FRESH, (), None, True), None
@@ -285,6 +289,33 @@ def _whole(
     if not any(_covers(dest.tensors[p], nbytes) for p in dposes):
         return None
     return dest.storages[d]
+
+
+def _direct_one(
+    file_plan: StagePlan, dest: PlannedSource, s: int, d: int, f: int, users: Mapping[int, int]
+) -> StorageFill | None:
+    """The common case at a glance, from the plans' records alone: one CPU tensor alone on a
+    storage of the file storage's size, at its offset and strides, covering it."""
+    have, want = dest.plan.tensors[d], file_plan.tensors[f]
+    storage = dest.plan.storages[have.storage]
+    nbytes = file_plan.storages[s].nbytes
+    if (
+        storage.nbytes != nbytes
+        or have.offset != want.offset
+        or have.stride != want.stride
+        or storage.device.type != "cpu"
+        or users[have.storage] != 1
+    ):
+        return None
+    dims = sorted((st, n) for n, st in zip(have.size, have.stride, strict=True) if n > 1 and st)
+    reach = 1
+    for st, n in dims:
+        if st != reach:
+            return None
+        reach *= n
+    if have.offset or reach * have.dtype.itemsize != nbytes:
+        return None
+    return StorageFill(Mode.DIRECT, ((want, dest.tensors[d]),), dest.storages[have.storage], False)
 
 
 def _covers(local: torch.Tensor, nbytes: int) -> bool:

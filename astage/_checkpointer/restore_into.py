@@ -19,6 +19,7 @@ by the next one, which fills everything again.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -92,7 +93,9 @@ class Destination:
     def __init__(self, into: Any) -> None:
         self.into = into
         self.source: PlannedSource | None = None
-        self.state: dict[KeyPath, str] = {}  # key path -> FILLED or PARTIAL; written from worker threads
+        # Per copy tried, in order: its fill plan, and the storages written (in part or
+        # unverified) and filled; the sets are added to from worker threads.
+        self.copies: list[tuple[FillPlan, set[int], set[int]]] = []
         self.all_paths: list[KeyPath] = []
 
     async def plan(self) -> None:
@@ -122,17 +125,26 @@ class Destination:
         assert self.source is not None
         fill = yield from iter_match(header.plan, self.source, self.into)
         promote(len(fill.storages))
+        self.copies.append((fill, set(), set()))
         return fill
 
     def mark(self, fill: FillPlan, storage: int, state: str) -> None:
-        for path in fill.paths[storage]:
-            self.state[path] = state
+        """Storage ``storage`` of the copy ``fill`` is being written (``PARTIAL``) or filled."""
+        current, touched, filled = self.copies[-1]  # registered by match(), on the loop
+        assert current is fill, "a storage of an earlier copy"
+        (touched if state == PARTIAL else filled).add(storage)
 
     def report(self) -> FillReport:
-        filled = tuple(p for p in self.all_paths if self.state.get(p) == FILLED)
-        partial = tuple(p for p in self.all_paths if self.state.get(p) == PARTIAL)
-        untouched = tuple(p for p in self.all_paths if p not in self.state)
-        return FillReport(filled, partial, untouched)
+        state: dict[KeyPath, str] = {}
+        for fill, touched, filled in self.copies:  # a later copy overwrites what an earlier wrote
+            for storage in touched - filled:
+                state.update(dict.fromkeys(fill.paths[storage], PARTIAL))
+            for storage in filled:
+                state.update(dict.fromkeys(fill.paths[storage], FILLED))
+        filled_paths = tuple(p for p in self.all_paths if state.get(p) == FILLED)
+        partial = tuple(p for p in self.all_paths if state.get(p) == PARTIAL)
+        untouched = tuple(p for p in self.all_paths if p not in state)
+        return FillReport(filled_paths, partial, untouched)
 
     def annotate(self, exc: BaseException) -> None:
         """Tell what ``exc`` left in the caller's tensors: ``exc.fill_report`` and a note."""
@@ -261,11 +273,11 @@ class IntoSink:
         if fill.mode is Mode.DIRECT:
             assert fill.whole is not None
             self.destination.mark(self.fill, storage, PARTIAL)
-            return _writable(_bytes(fill.whole))
+            return _memory(fill.whole.data_ptr(), fill.whole.nbytes())
         nbytes = int(self.header.segments.nbytes[storage])
         if fill.mode is Mode.DEVICE:
             pinned, at = self.pinned[storage]
-            return _writable(torch.empty(0, dtype=torch.uint8).set_(pinned, at, (nbytes,), (1,)))
+            return _memory(pinned.data_ptr() + at, nbytes)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.bounce[storage] = buf.untyped_storage()
         return _writable(buf)
@@ -298,6 +310,14 @@ class IntoSink:
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """``storage`` as a 1-D uint8 tensor (made in the worker thread that uses it)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _memory(address: int, nbytes: int) -> memoryview:
+    """Writable bytes at ``address``, owned elsewhere (a caller's or a pooled storage that
+    outlives the read): a ctypes view is made in ~1 us, a tensor's numpy view in ~5."""
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
 def _writable(t: torch.Tensor) -> memoryview:
