@@ -435,15 +435,8 @@ async def test_cuda_tensors_are_filled_through_pinned_buffers(tmp_path: Path) ->
     assert got["step"] == 3
 
 
-@pytest.mark.anyio
-async def test_the_windowed_pinned_path_fills_bit_exact_on_the_cpu_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The accelerator path (windows of pooled buffers, copies after each window's storages
-    are verified, buffers given back once their copies are done) run with CPU tensors as its
-    targets: what the GPU-marked test runs, checked on any machine."""
-    source = source_state(7)
-    await saved(tmp_path, source)
+def as_device_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route every CPU target through the accelerator path (windows of pooled buffers)."""
     match = restore_into.Destination.match
 
     async def as_device(self: restore_into.Destination, header: Any) -> Any:
@@ -455,6 +448,39 @@ async def test_the_windowed_pinned_path_fills_bit_exact_on_the_cpu_too(
 
     monkeypatch.setattr(restore_into.Destination, "match", as_device)
     monkeypatch.setattr(restore_into, "WINDOW_BYTES", 256)  # many windows, a buffer each
+
+
+@pytest.mark.anyio
+async def test_a_corrupt_copy_on_the_windowed_path_is_its_integrity_error_with_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = three_storages(8)
+    await saved(tmp_path, source)
+    flip_byte_of(tmp_path / "step_0000000001" / "rank00000.astage", (4 << 20) + 100)  # inside "b"
+    as_device_targets(monkeypatch)
+    dest = {name: torch.zeros(1 << 20) for name in "abc"}
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(astage.IntegrityError) as info:  # itself, not a group of it
+            await ckpt.restore(into=dest)
+    report = info.value.fill_report  # type: ignore[attr-defined]
+    assert report.filled == (("a",),)
+    assert report.partial == ()  # verified in its pinned buffer: the bad bytes never reach "b"
+    assert report.untouched == (("b",), ("c",))
+    assert torch.equal(dest["a"], source["a"])
+    assert not dest["b"].any()
+    assert not dest["c"].any()
+
+
+@pytest.mark.anyio
+async def test_the_windowed_pinned_path_fills_bit_exact_on_the_cpu_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The accelerator path (windows of pooled buffers, copies after each window's storages
+    are verified, buffers given back once their copies are done) run with CPU tensors as its
+    targets: what the GPU-marked test runs, checked on any machine."""
+    source = source_state(7)
+    await saved(tmp_path, source)
+    as_device_targets(monkeypatch)
     dest = destination_state()
     async with astage.Checkpointer(tmp_path) as ckpt:
         got = await ckpt.restore(into=dest)

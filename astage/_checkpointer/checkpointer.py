@@ -803,13 +803,9 @@ class Checkpointer(AsyncResource):
         or into the caller's own tensors (``into``).
 
         **In place** (``into=state_dict``): the caller's tensors (CPU or accelerator) are
-        filled with the checkpoint's bytes, matched by key path; dtype, shape and flags are
-        checked for every tensor before any byte is written
-        (:class:`~astage.DestinationMismatchError`, naming the key path).  The returned tree
-        is the checkpoint's, with the caller's tensor objects in it and its non-tensor
-        leaves (steps, RNG states) new.  Whatever ends such a restore early, its exception
-        carries ``fill_report`` (:class:`~astage.FillReport`): which tensors were filled,
-        written in part, or untouched.  See ``docs/guides/restore-in-place.md``.
+        filled, matched by key path and checked before any byte is written; the returned
+        tree holds them, with new non-tensor leaves.  An exception that ends it early
+        carries ``fill_report`` (:class:`~astage.FillReport`).  See ``docs/guides/restore_in_place.md``.
 
         **Collective** (``collective=True``; the default when ``replication`` is a
         :class:`~astage.ReplicationStager` and no ``fallback_dirs`` are given): every rank of

@@ -46,7 +46,7 @@ from .._staging.plan import PlannedSource, StagePlan, TensorSpec, iter_plan, sup
 from .._staging.pool import BufferKind, BufferPool, Lease
 from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
 from .._util.collector import gc_paused, promote, without_gc
-from .._util.errors import KeyPath, format_key_path
+from .._util.errors import KeyPath, format_key_path, one_error
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, run_steps, within
 from .destination import FillPlan, Mode, StorageFill, iter_match, iter_places
@@ -327,6 +327,10 @@ def _writable(t: torch.Tensor) -> memoryview:
 # -- reading a file into the destination -----------------------------------------------------------
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
 def windows(pieces: Sequence[Piece], fill: FillPlan, body_nbytes: int) -> list[tuple[int, int, list[Piece]]]:
     """``pieces`` cut where the accelerator-bound bytes of a window would pass
     :data:`WINDOW_BYTES` (one window when there are none): ``(start, stop, pieces)``."""
@@ -335,12 +339,13 @@ def windows(pieces: Sequence[Piece], fill: FillPlan, body_nbytes: int) -> list[t
     current: list[Piece] = []
     for piece in pieces:
         on_device = fill.storages[piece.storage].mode is Mode.DEVICE
-        if on_device and current and device_bytes + piece.nbytes > WINDOW_BYTES:
+        size = _aligned(piece.nbytes) if on_device else 0  # as its pinned buffer holds it
+        if on_device and current and device_bytes + size > WINDOW_BYTES:
             stop = current[-1].start + current[-1].nbytes
             out.append((start, stop, current))
             start, current, device_bytes = stop, [], 0
         current.append(piece)
-        device_bytes += piece.nbytes if on_device else 0
+        device_bytes += size
     out.append((start, body_nbytes, current))
     return out
 
@@ -373,19 +378,20 @@ async def fill_body(
         await _read_window(reading, sink, cut[0])
         return sink.bounce
     sink.devices = _DeviceCopies({fill.storages[i].pairs[0][1].device for i in device_storages})
-    biggest = max(int(header.segments.nbytes[i]) for i in device_storages)
+    biggest = max(_aligned(int(header.segments.nbytes[i])) for i in device_storages)
     kind = BufferKind.PINNED if torch.cuda.is_available() else BufferKind.PLAIN
     pool = BufferPool(kind, max_bytes=2 * max(WINDOW_BYTES, biggest), retain=True)
     try:
-        async with anyio.create_task_group() as group:
-            for window in cut:
-                lease = await _lease(pool, window, fill, sink)
-                try:
-                    await _read_window(reading, sink, window)
-                finally:
-                    copies = sink.take_enqueued()
-                    if lease is not None:
-                        group.start_soon(_settle, sink, pool, lease, copies, (destination, fill))
+        with one_error():  # the read's own error, not a group of it
+            async with anyio.create_task_group() as group:
+                for window in cut:
+                    lease = await _lease(pool, window, fill, sink)
+                    try:
+                        await _read_window(reading, sink, window)
+                    finally:
+                        copies = sink.take_enqueued()
+                        if lease is not None:
+                            group.start_soon(_settle, sink, pool, lease, copies, (destination, fill))
     finally:
         with anyio.CancelScope(shield=True):
             await pool.aclose()
@@ -415,12 +421,12 @@ async def _lease(
     on_device = [p for p in window[2] if fill.storages[p.storage].mode is Mode.DEVICE]
     if not on_device:
         return None
-    need = sum(-(-p.nbytes // 64) * 64 for p in on_device)
+    need = sum(_aligned(p.nbytes) for p in on_device)
     lease = await pool.acquire([max(need, WINDOW_BYTES)])
     at = 0
     for piece in on_device:
         sink.pinned[piece.storage] = (lease.buffers[0], at)
-        at += -(-piece.nbytes // 64) * 64
+        at += _aligned(piece.nbytes)
     return lease
 
 
