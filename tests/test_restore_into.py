@@ -486,3 +486,32 @@ async def test_the_windowed_pinned_path_fills_bit_exact_on_the_cpu_too(
         got = await ckpt.restore(into=dest)
     assert_filled(dest, source)
     assert got["model"]["float16"]["window"] is dest["model"]["float16"]["window"]
+
+
+@pytest.mark.anyio
+async def test_dtensors_and_parameters_are_filled_through_their_local_tensors(
+    one_rank_group: None, tmp_path: Path
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(9)
+    source = {
+        "w": DTensor.from_local(torch.randn(4, 6, generator=g), mesh, [Shard(0)], run_check=False),
+        "p": torch.nn.Parameter(torch.randn(5, generator=g)),
+        "r": DTensor.from_local(torch.randn(3, generator=g), mesh, [Replicate()], run_check=False),
+    }
+    await saved(tmp_path, source)
+    dest = {
+        "w": DTensor.from_local(torch.zeros(4, 6), mesh, [Shard(0)], run_check=False),
+        "p": torch.nn.Parameter(torch.zeros(5)),
+        "r": DTensor.from_local(torch.zeros(3), mesh, [Replicate()], run_check=False),
+    }
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        got = await ckpt.restore(into=dest)
+    for key in ("w", "r"):
+        assert got[key] is dest[key]  # the caller's DTensor itself, its local shard filled
+        assert torch.equal(dest[key].to_local(), source[key].to_local()), key
+    assert got["p"] is dest["p"]
+    assert torch.equal(dest["p"].detach(), source["p"].detach())
