@@ -55,6 +55,8 @@ def families(dtype: torch.dtype, seed: int) -> dict[str, Any]:
         "flat_a": flat[:6].view(2, 3),
         "flat_b": flat[6:].view(3, 2),
         "strided": bits(dtype, 12, seed + 6).view(3, 4),
+        "split": (split := bits(dtype, 6, seed + 9).view(2, 3)),
+        "split_t": split.t(),  # one storage in the file, two in the destination
     }
     if dtype.is_complex:
         out["conj"] = bits(dtype, 6, seed + 7).conj()
@@ -77,6 +79,8 @@ def destination_families(dtype: torch.dtype) -> dict[str, Any]:
         "flat_a": flat[6:].view(2, 3),
         "flat_b": flat[:6].view(3, 2),
         "strided": torch.empty(4, 3, dtype=dtype).t(),  # column-major where the file is row-major
+        "split": torch.empty(2, 3, dtype=dtype),
+        "split_t": torch.empty(3, 2, dtype=dtype),
     }
     if dtype.is_complex:
         out["conj"] = torch.empty(6, dtype=dtype).conj()
