@@ -22,6 +22,7 @@ import astage
 from astage._checkpointer import restore_into
 from astage._checkpointer.destination import DestinationMismatchError, Mode
 from astage._checkpointer.restore_into import FillReport
+from astage._files import body_reads
 from astage._format.spec import DTYPES
 from astage._util.errors import format_key_path
 from tests.distributed import run_group
@@ -519,3 +520,23 @@ async def test_dtensors_and_parameters_are_filled_through_their_local_tensors(
         assert torch.equal(dest[key].to_local(), source[key].to_local()), key
     assert got["p"] is dest["p"]
     assert torch.equal(dest["p"].detach(), source["p"].detach())
+
+
+@pytest.mark.anyio
+async def test_a_restore_into_a_populated_body_is_bit_exact_and_cancellable_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``restore()`` without a destination, its body faulted in first (as for bodies of 64
+    MiB and more), here for any size."""
+    monkeypatch.setattr(body_reads, "POPULATE_MIN_BYTES", 0)
+    source = source_state(10)
+    await saved(tmp_path, source)
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        points = 0
+        while (outcome := await run_cancelled_at(points, ckpt.restore)).cancelled:
+            points += 1
+            assert points < 2000
+        got = outcome.value
+    assert points >= 3, points
+    for path, t in tensors_by_path(source).items():
+        assert elements(at(got, path)) == elements(t), path

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -328,6 +329,42 @@ def iter_rebuild_verified(header: FileHeader, body: torch.Tensor) -> Steps[Any]:
     return tree
 
 
+POPULATE_MIN_BYTES: Final = 64 << 20
+"""From this size a body buffer has its pages faulted in before the read (:func:`new_body`)."""
+
+_MADV_POPULATE_WRITE: Final = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; 23 there
+
+
+def _populate(mapping: mmap.mmap, start: int, length: int) -> bool:
+    """Fault in ``length`` bytes of ``mapping`` from ``start``; ``False`` where the kernel
+    cannot (before Linux 5.14): the read then faults them itself."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE, start, length)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+async def new_body(nbytes: int, limiter: anyio.CapacityLimiter | None) -> torch.Tensor:
+    """A fresh ``nbytes``-byte buffer for a body, its pages faulted in first where it is large.
+
+    Faulting pages in by ``MADV_POPULATE_WRITE``, a chunk a worker-thread call, then reading
+    into them beat reading into pages the read faults as it goes: 1 GB took 0.4-0.7 s to
+    populate and 0.2-0.4 s to read, against 1.1-2.1 s read into fresh pages; ``restore()``
+    of the 1.49 GB GPT-2 input went from 1.78-1.93 s to 1.54-1.66 s (medians of 3, two
+    sessions on a shared 2-core VM).  The mapping is private and anonymous (nothing outside
+    this process can change it) and lives as long as the tensors viewing it.
+    """
+    if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for start in range(0, nbytes, durable.CHUNK_NBYTES * 4):
+        length = min(durable.CHUNK_NBYTES * 4, nbytes - start)
+        if not await blocking_io(_populate, mapping, start, length, limiter=limiter):
+            break
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 async def read_checkpoint_file(
     path: str | os.PathLike[str],
     *,
@@ -349,7 +386,7 @@ async def read_checkpoint_file(
         header, _ = await blocking_io(f.header, limiter=limiter)
         if check is not None:
             check(header)
-        body = torch.empty(header.body_nbytes, dtype=torch.uint8)
+        body = await new_body(header.body_nbytes, limiter)
         sink = BodySink(header, body)
         pieces = await blocking_io(without_gc(pieces_of), header, limiter=limiter)
         await read_pieces(
