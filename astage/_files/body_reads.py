@@ -28,10 +28,12 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import mmap
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol
@@ -332,17 +334,22 @@ def iter_rebuild_verified(header: FileHeader, body: torch.Tensor) -> Steps[Any]:
 POPULATE_MIN_BYTES: Final = 64 << 20
 """From this size a body buffer has its pages faulted in before the read (:func:`new_body`)."""
 
-_MADV_POPULATE_WRITE: Final = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; 23 there
+_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14 and later
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+if _libc is not None:
+    _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _libc.madvise.restype = ctypes.c_int
 
 
-def _populate(mapping: mmap.mmap, start: int, length: int) -> bool:
-    """Fault in ``length`` bytes of ``mapping`` from ``start``; ``False`` where the kernel
-    cannot (before Linux 5.14): the read then faults them itself."""
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-    except (OSError, ValueError):
+def _populate(address: int, length: int) -> bool:
+    """Fault in the whole pages of ``[address, address + length)``, the GIL released (a
+    ctypes call: ``mmap.madvise`` holds it); ``False`` where the kernel cannot (before
+    Linux 5.14): the read then faults them itself."""
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + length) // page * page
+    if _libc is None:
         return False
-    return True
+    return end <= start or _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
 async def new_body(nbytes: int, limiter: anyio.CapacityLimiter | None) -> torch.Tensor:
@@ -352,17 +359,16 @@ async def new_body(nbytes: int, limiter: anyio.CapacityLimiter | None) -> torch.
     into them beat reading into pages the read faults as it goes: 1 GB took 0.4-0.7 s to
     populate and 0.2-0.4 s to read, against 1.1-2.1 s read into fresh pages; ``restore()``
     of the 1.49 GB GPT-2 input went from 1.78-1.93 s to 1.54-1.66 s (medians of 3, two
-    sessions on a shared 2-core VM).  The mapping is private and anonymous (nothing outside
-    this process can change it) and lives as long as the tensors viewing it.
+    sessions on a shared 2-core VM).
     """
-    if nbytes < POPULATE_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for start in range(0, nbytes, durable.CHUNK_NBYTES * 4):
-        length = min(durable.CHUNK_NBYTES * 4, nbytes - start)
-        if not await blocking_io(_populate, mapping, start, length, limiter=limiter):
+    body = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes < POPULATE_MIN_BYTES:
+        return body
+    address, chunk = body.data_ptr(), durable.CHUNK_NBYTES * 4
+    for start in range(0, nbytes, chunk):
+        if not await blocking_io(_populate, address + start, min(chunk, nbytes - start), limiter=limiter):
             break
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    return body
 
 
 async def read_checkpoint_file(
