@@ -13,6 +13,7 @@ from ._checkpointer.interfaces import ReplicaSource as ReplicaSource
 from ._checkpointer.interfaces import Replicator as Replicator
 from ._checkpointer.interfaces import SaveEvent as SaveEvent
 from ._checkpointer.interfaces import SaveStats as SaveStats
+from ._checkpointer.restore_into import FillReport as FillReport
 from ._replication.records import ReplicationPhase as ReplicationPhase
 from ._replication.records import ReplicationResult as ReplicationResult
 from ._replication.records import ReplicationStats as ReplicationStats
@@ -28,6 +29,7 @@ from ._util.errors import AstageError as AstageError
 from ._util.errors import CapacityError as CapacityError
 from ._util.errors import ClosedError as ClosedError
 from ._util.errors import ConfigurationError as ConfigurationError
+from ._util.errors import DestinationMismatchError as DestinationMismatchError
 from ._util.errors import EventLoopError as EventLoopError
 from ._util.errors import IntegrityError as IntegrityError
 from ._util.errors import PeerReportedError as PeerReportedError
@@ -77,7 +79,9 @@ __all__ = [
     "ClosedError",
     "ConfigurationError",
     "DefaultStager",
+    "DestinationMismatchError",
     "EventLoopError",
+    "FillReport",
     "IntegrityError",
     "PeerReportedError",
     "PeerTimeoutError",

@@ -6,7 +6,8 @@
 # Run from the repository root on a CUDA machine.  It finds a Python with torch (a CUDA build
 # already installed is used as is), installs the project's other dependencies if missing (best
 # effort: into that Python's own venv, else into .venv made with --system-site-packages so the
-# machine's torch stays visible), runs `pytest -m gpu`, then `python -m benchmarks.bench_gpu`,
+# machine's torch stays visible), runs `pytest -m gpu`, then `python -m benchmarks.bench_gpu`
+# and `python -m benchmarks.bench_restore --gpu` (restore into CUDA tensors, ASTAGE_GPU_RESTORE_ARGS),
 # and writes DIR/gpu-<date>.md (default DIR: benchmarks/results) with the machine, the test
 # summary and the benchmark tables, plus the benchmark's JSON beside it.  The file is
 # rewritten after every phase, so a phase that fails or times out still leaves what came
@@ -53,6 +54,8 @@ SECONDS=0
 setup_status="not run"
 tests_status="not run"
 bench_status="not run"
+restore_status="not run"
+: > "$work/restore.log"
 : > "$work/setup.log"
 : > "$work/tests.log"
 : > "$work/bench.log"
@@ -131,6 +134,10 @@ write_md() {
         if [ -s "$json" ]; then
             echo "Every run's numbers and the loop-lag series: \`$(basename "$json")\`."
         fi
+        echo
+        echo "## GPU restore benchmark (\`python -m benchmarks.bench_restore --gpu ${ASTAGE_GPU_RESTORE_ARGS:-}\`): $restore_status"
+        echo
+        [ -s "$work/restore.log" ] && fence "$work/restore.log" 40 && echo
     } > "$md.tmp"
     mv "$md.tmp" "$md"
     if [ -n "${OUT:-}" ]; then
@@ -206,7 +213,15 @@ write_md
 # -- phase 3: the GPU staging benchmark -------------------------------------------------------
 
 # shellcheck disable=SC2086  # benchmark arguments, split on purpose
-run_phase "$(phase_timeout 270)" "$work/bench.log" \
+run_phase "$(phase_timeout 230)" "$work/bench.log" \
     "$PY" -m benchmarks.bench_gpu --json "$json" ${ASTAGE_GPU_BENCH_ARGS:-}
 bench_status="$status"
+write_md
+
+# -- phase 4: restore into CUDA tensors against a pinned copy_ ---------------------------------
+
+# shellcheck disable=SC2086  # benchmark arguments, split on purpose
+run_phase "$(phase_timeout 60)" "$work/restore.log" \
+    "$PY" -m benchmarks.bench_restore --gpu ${ASTAGE_GPU_RESTORE_ARGS:-}
+restore_status="$status"
 exit 0

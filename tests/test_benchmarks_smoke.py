@@ -181,3 +181,39 @@ def test_bench_loop_held_quick_prints_both_variants_and_the_ratio(tmp_path: Path
             assert result["timings"][variant]["durable_s"]
             assert all(t > 0 for t in result["timings"][variant]["durable_s"])
         assert result["durable_ratio"] > 0
+
+
+def test_bench_restore_quick_prints_every_method_and_the_targets(tmp_path: Path) -> None:
+    out = tmp_path / "restore.json"
+    done = run_bench("bench_restore", "--quick", "--json", str(out), timeout=600)
+    assert done.returncode == 0, done.stderr
+    for method in (
+        "raw read",
+        "torch.load(mmap)",
+        "safetensors + load_state_dict",
+        "DCP load (in place)",
+        "astage restore()",
+        "astage restore(into=)",
+        "preadv lanes",
+        "mmap + copy",
+        "raw write+fsync",
+        "astage first save",
+        "astage steady save",
+    ):
+        assert method in done.stdout, method
+    assert "restore(into=) peak RSS growth" in done.stdout
+    assert re.search(r"astage restore\(into=\) / safetensors \+ load_state_dict: [\d.]+x", done.stdout)
+    payload = json.loads(out.read_text())
+    assert {c["case"] for c in payload["cases"]} == {"gpt2-adam", "small-20k"}
+    for case in payload["cases"]:
+        into = case["results"]["astage restore(into=)"]
+        assert into["seconds"] > 0
+        assert into["lag_max_ms"] is not None
+
+
+def test_bench_restore_gpu_without_cuda_says_so_and_exits_cleanly() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: gpu_validate.sh runs the real thing")
+    done = run_bench("bench_restore", "--gpu", "--quick", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout

@@ -29,6 +29,7 @@ PUBLIC = {
     "SaveEvent",
     "SaveHandle",
     "SaveStats",
+    "FillReport",
     # replication
     "ReplicationPhase",
     "ReplicationResult",
@@ -41,6 +42,7 @@ PUBLIC = {
     "CapacityError",
     "ClosedError",
     "ConfigurationError",
+    "DestinationMismatchError",
     "EventLoopError",
     "IntegrityError",
     "PeerReportedError",

@@ -89,11 +89,15 @@ async def test_a_restore_from_a_replica_reports_the_replica_read(tmp_path: Path,
             await ckpt.restore(3, on_read=lambda d, t: calls.append((d, t))), model_state(3, STATE_NBYTES)
         )
     runs = ramps(calls)
-    # A tampered own file is read whole before its checksums refuse it; the replica then
-    # starts again from 0.  A missing one is never read.
+    # A tampered own file is refused once the storage with the bad byte is read (each is
+    # verified as it lands: here the last one); the replica then starts again from 0.  A
+    # missing one is never read.
     assert len(runs) == (1 if damage == "missing" else 2), [r[-1] for r in runs]
-    for run in runs:
-        assert_ramp(run)
+    for refused in runs[:-1]:
+        done = [d for d, _ in refused]
+        assert done == sorted(done), refused
+        assert 0 < done[-1] <= refused[0][1], refused
+    assert_ramp(runs[-1])
 
 
 @pytest.mark.anyio

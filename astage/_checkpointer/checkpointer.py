@@ -50,6 +50,7 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
+from .._files.body_reads import read_lanes
 from .._files.markers import Marker
 from .._files.retention import Retention
 from .._files.steps import StepStore
@@ -69,6 +70,7 @@ from .._util.validate import check_path
 from .collective_restore import collective_restore
 from .interfaces import EventKind, ReplicaSource, Replicator, SaveEvent, SaveStats
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
+from .restore_into import Destination, RestoreLoads, restore_loads
 from .save_pipeline import Job, Persister
 
 log = logging.getLogger("astage.checkpointer")
@@ -239,6 +241,7 @@ class Checkpointer(AsyncResource):
         self._retention = Retention(keep, self._store.marker_name)
         self._max_in_flight = max_in_flight
         self._on_progress = on_progress
+        self._threads = threads
         self._fallback_dirs = fallbacks
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._reserved: set[int] = set()  # steps between the start of save() and their end
@@ -665,9 +668,20 @@ class Checkpointer(AsyncResource):
     # -- restoring -----------------------------------------------------------------------
 
     async def restore(
-        self, step: int | None = None, *, collective: bool | None = None, on_read: OnRead | None = None
+        self,
+        step: int | None = None,
+        *,
+        collective: bool | None = None,
+        on_read: OnRead | None = None,
+        into: Any = None,
     ) -> Any:
-        """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU.
+        """Load the state_dict of ``step`` (default: the latest committed), tensors on the CPU,
+        or into the caller's own tensors (``into``).
+
+        **In place** (``into=state_dict``): the caller's tensors (CPU or accelerator) are
+        filled, matched by key path and checked before any byte is written; the returned
+        tree holds them, with new non-tensor leaves.  An exception that ends it early
+        carries ``fill_report`` (:class:`~astage.FillReport`).  See ``docs/guides/restore_in_place.md``.
 
         **Collective** (``collective=True``; the default when ``replication`` is a
         :class:`~astage.ReplicationStager` and no ``fallback_dirs`` are given): every rank of
@@ -696,16 +710,35 @@ class Checkpointer(AsyncResource):
         :raises TransportError: (collective) a peer failed; the group is then broken.
         :raises ConfigurationError: ``collective=True`` without a ReplicationStager, or
             ``on_read`` is not callable.
+        :raises DestinationMismatchError: (``into``) the checkpoint does not fit ``into``.
         """
         self._check_open("restore")
         if on_read is not None and not callable(on_read):
             raise ConfigurationError(f"on_read must be callable or None, not {type(on_read).__name__}")
         progress = ReadProgress(on_read)
+        lanes = read_lanes(self._threads)
+        if into is None:
+            return await self._restore(
+                step, collective, progress, restore_loads(None, lanes, self._store.limiter)
+            )
+        destination = Destination(into)
+        try:
+            await destination.plan()
+            loads = restore_loads(destination, lanes, self._store.limiter)
+            return await self._restore(step, collective, progress, loads)
+        except BaseException as exc:
+            destination.annotate(exc)
+            raise
+
+    async def _restore(
+        self, step: int | None, collective: bool | None, progress: ReadProgress, loads: RestoreLoads
+    ) -> Any:
+        """:meth:`restore`, routed: collective, or local (own file, then replicas)."""
         if collective is None or collective:
             if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
                 requested = None if step is None else _check_step(step)
                 return await collective_restore(
-                    self._store, self._replication, requested, progress, self._drain
+                    self._store, self._replication, requested, progress, self._drain, loads
                 )
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
@@ -715,7 +748,7 @@ class Checkpointer(AsyncResource):
                 raise ResourceError(f"no committed checkpoint of rank {self.rank} in {self.directory}")
         _check_step(step)
         fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
-        places = ReplicaPlaces(fetch, self._fallback_dirs, self._store.limiter)
-        load_own = functools.partial(self._store.load, step, on_read=progress.advance)
+        places = ReplicaPlaces(fetch, self._fallback_dirs, self._store.limiter, loads.file)
+        load_own = functools.partial(self._store.load, step, on_read=progress.advance, load=loads.file)
         marker = self._store.marker(step)
         return await restore_local(step, marker, self.step_dir(step), self.rank, load_own, places, progress)

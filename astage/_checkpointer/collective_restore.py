@@ -50,7 +50,7 @@ from .. import _transport
 from .._files.directory import open_step_dir
 from .._files.durable import DirOpener, blocking_io
 from .._files.markers import FileEntry, Marker, header_check, storages_crc32c
-from .._files.reading import CheckpointFile, inspect_checkpoint_file
+from .._files.reading import CheckpointFile, inspect_checkpoint_file, load_checkpoint_file
 from .._files.steps import StepStore
 from .._format.codec import BodyVerifier, FileHeader, parse_prefix
 from .._replication.records import GroupSession, time_left
@@ -64,9 +64,11 @@ from .._util.errors import (
     PersistError,
     ResourceError,
     TransportError,
+    UnsupportedInputError,
     one_error,
 )
 from .local_restore import ReadProgress
+from .restore_into import RestoreLoads
 
 log = logging.getLogger("astage.restore")
 
@@ -393,6 +395,8 @@ class _Attempt:
     state: Any = None
     error: Exception | None = None  # a transport failure: re-raised
     unwritable: PersistError | None = None
+    loads: RestoreLoads | None = None  # into the caller's tensors; None: into new ones
+    refused: UnsupportedInputError | None = None  # the copy does not fit the destination
 
 
 async def collective_restore(
@@ -401,10 +405,14 @@ async def collective_restore(
     step: int | None,
     progress: ReadProgress,
     drain: Callable[[], Awaitable[None]],
+    loads: RestoreLoads | None = None,
 ) -> Any:
     """Restore ``step`` (default: the newest every rank can) on every rank of ``rs``'s group.
 
     ``progress`` sees the bytes of this rank's own file read, or of its copy received.
+    ``loads`` reads the own file and turns a received copy into the result (into the
+    caller's tensors, for ``restore(into=...)``); a copy that does not fit them is refused
+    once the ranks have agreed, so the group stays in step.
 
     :raises ConfigurationError: the Checkpointer's rank is not the rank in the group.
     :raises ResourceError: no step every rank can restore (names the ranks and steps).
@@ -421,12 +429,18 @@ async def collective_restore(
     await drain()  # in-flight saves replicate: let them finish in their order first
     # Decided alike on every rank after a complete round (or this rank's own disk failed
     # after one): the group is in step and stays usable.  Anything else breaks it.
-    agreed = (ConfigurationError, ResourceError, IntegrityError, PersistError)
+    agreed = (ConfigurationError, ResourceError, IntegrityError, PersistError, UnsupportedInputError)
     async with rs.collective(agreed=agreed) as session:
-        return await _restore(store, session, step, progress)
+        return await _restore(store, session, step, progress, loads)
 
 
-async def _restore(store: StepStore, rs: GroupSession, requested: int | None, progress: ReadProgress) -> Any:
+async def _restore(
+    store: StepStore,
+    rs: GroupSession,
+    requested: int | None,
+    progress: ReadProgress,
+    loads: RestoreLoads | None,
+) -> Any:
     started = time.perf_counter()
     deadline = started + rs.timeout
     own_bad: set[int] = set()
@@ -440,7 +454,7 @@ async def _restore(store: StepStore, rs: GroupSession, requested: int | None, pr
         records = await all_gather(rs, mine.record(), kind=_INVENTORY, round_=round_, deadline=deadline)
         inventories = [Inventory.from_record(r, source, rs.world_size) for source, r in enumerate(records)]
         plan = plan_restore(inventories, requested, refused)
-        attempt = await _attempt(store, rs, plan, held, deadline, progress)
+        attempt = await _attempt(store, rs, plan, held, deadline, progress, loads)
         if attempt.error is not None:
             raise attempt.error
         outcomes = await all_gather(
@@ -459,6 +473,8 @@ async def _restore(store: StepStore, rs: GroupSession, requested: int | None, pr
             )
             if requested is None:
                 await _drop_newer(store, rs, s)
+            if attempt.refused is not None:
+                raise attempt.refused
             return attempt.state
         log.warning("rank %d: restoring step %d failed somewhere (%s); trying again", rs.rank, s, refused[-1])
         round_ += 1
@@ -514,9 +530,10 @@ async def _attempt(
     held: dict[int, Path],
     deadline: float,
     progress: ReadProgress,
+    loads: RestoreLoads | None,
 ) -> _Attempt:
     """Load this rank's copy of the agreed step, and carry out the transfers it takes part in."""
-    attempt = _Attempt()
+    attempt = _Attempt(loads=loads)
     s = plan.step
     send = rs.recv_from in plan.fetch  # our owner needs its replica from us
     receive = rs.rank in plan.fetch
@@ -528,8 +545,13 @@ async def _attempt(
         path = store.step_dir(s) / entry.name
         check = header_check(path, step=s, rank=store.rank, checkpoint_id=marker.checkpoint_id, entry=entry)
         try:
-            attempt.state = await store.load(s, path, progress.checking(s, check), progress.advance)
+            load = load_checkpoint_file if loads is None else loads.file
+            attempt.state = await store.load(
+                s, path, progress.checking(s, check), progress.advance, load=load
+            )
             attempt.local = OK
+        except UnsupportedInputError as exc:  # the file is sound; it does not fit the destination
+            attempt.refused, attempt.local = exc, OK
         except (OSError, IntegrityError) as exc:
             log.warning("rank %d: the local checkpoint of step %d is unusable: %s", rs.rank, s, exc)
             attempt.local = CORRUPT
@@ -647,8 +669,14 @@ async def _heal(store: StepStore, rs: GroupSession, sink: _HealingSink, attempt:
         return
     body = sink.body if sink.body is not None else torch.empty(0, dtype=torch.uint8)
     sink.body = None
-    attempt.state = await anyio.to_thread.run_sync(_decode_verified, header, body)
     attempt.fetched = OK
+    if attempt.loads is None or attempt.loads.body is None:
+        attempt.state = await anyio.to_thread.run_sync(_decode_verified, header, body)
+    else:
+        try:
+            attempt.state = await attempt.loads.body(header, body)
+        except UnsupportedInputError as exc:  # committed and sound; it does not fit the destination
+            attempt.refused = exc
     log.warning(
         "rank %d: restored step %d from rank %d's replica and committed it again locally (healed)",
         rs.rank,

@@ -90,6 +90,8 @@ class ReplicaPlaces:
     """The replication object's ``fetch_replica``, if it has one."""
     fallback_dirs: tuple[Path, ...]
     limiter: anyio.CapacityLimiter | None
+    load: Callable[..., Awaitable[Any]] = load_checkpoint_file
+    """Reads a replica (``load_checkpoint_file``'s arguments): into the caller's tensors, say."""
 
 
 async def restore_local(
@@ -124,7 +126,7 @@ async def restore_local(
     for path in await _replica_candidates(step, rank, places, problems):
         check = header_check(path, step=step, rank=rank, checkpoint_id=checkpoint_id, entry=None)
         try:
-            state = await load_checkpoint_file(
+            state = await places.load(
                 path, limiter=places.limiter, check=progress.checking(step, check), on_read=progress.advance
             )
         except (IntegrityError, OSError) as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +152,10 @@ class StepStore:
         path: Path,
         check: Callable[[FileHeader], None],
         on_read: Callable[[int], None] | None = None,
+        load: Callable[..., Awaitable[Any]] = load_checkpoint_file,
     ) -> Any:
-        """Load ``path``, a file of ``step``, opened relative to its step directory.
+        """Load ``path``, a file of ``step``, opened relative to its step directory (with
+        ``load``: a reader with :func:`load_checkpoint_file`'s signature).
 
         :raises PersistError: the step directory is a link or not a directory.
         :raises IntegrityError: the file is not a regular file, is corrupt, or fails ``check``.
@@ -161,9 +163,7 @@ class StepStore:
         opener = functools.partial(open_step_dir, self.dir_fd, step_dir_name(step), create=False)
         step_fd = await blocking_io(opener, limiter=self.limiter)
         try:
-            return await load_checkpoint_file(
-                path, limiter=self.limiter, check=check, dir_fd=step_fd, on_read=on_read
-            )
+            return await load(path, limiter=self.limiter, check=check, dir_fd=step_fd, on_read=on_read)
         finally:
             with anyio.CancelScope(shield=True):
                 await blocking_io(os.close, step_fd, limiter=self.limiter)

@@ -76,6 +76,28 @@ class UnsupportedInputError(AstageError, TypeError):
         super().__init__(f"{format_key_path(self.key_path)}: {message}")
 
 
+class DestinationMismatchError(UnsupportedInputError):
+    """The destination of ``restore(into=...)`` does not match the checkpoint; nothing was written.
+
+    :ivar key_path: the first mismatching key path.
+    :ivar problems: every ``(key path, what was expected and found)``, in the file's order.
+    """
+
+    def __init__(self, problems: list[tuple[KeyPath, str]]) -> None:
+        super().__init__(problems[0][0], problems[0][1] + "; nothing was written")
+        self.problems = problems
+        if len(problems) > 1:
+            self.add_note(f"{len(problems) - 1} more mismatch(es):")
+            for path, message in problems[1 : 1 + _SHOWN]:
+                self.add_note(f"  {format_key_path(path)}: {message}")
+            if len(problems) > 1 + _SHOWN:
+                self.add_note(f"  ... and {len(problems) - 1 - _SHOWN} more")
+
+
+_SHOWN = 5
+"""Mismatches a :class:`DestinationMismatchError` lists in its notes besides the first."""
+
+
 class ResourceError(AstageError):
     """A resource astage manages is closed or cannot satisfy the request."""
 

@@ -1,0 +1,339 @@
+"""Match a checkpoint file's tensors to the caller's live tensors, before any byte is written.
+
+``restore(into=state_dict)`` fills the caller's tensors in place.  This module decides,
+from the file's header and the caller's tree alone, whether that can be done and how:
+every tensor the file holds must have a tensor of the same dtype, shape and flags at the
+same key path of the destination, and every destination tensor a tensor in the file; the
+first problem (and how many more there are) is raised as :class:`DestinationMismatchError`
+naming the key path and what was expected and found.  Nothing is read before that check.
+
+Then each storage of the file gets a :class:`Mode`:
+
+* ``DIRECT``: the file's bytes are read straight into the caller's storage (CPU, one
+  destination storage of exactly the file storage's size, every tensor on it at the file's
+  offset and strides, one of them covering it all: nothing outside the caller's tensors is
+  written).
+* ``BOUNCE``: read into a scratch buffer, verified, then copied into each destination
+  tensor (views into a flat buffer, different strides): only the tensors' elements are written.
+* ``DEVICE``: a destination on an accelerator: read into a pinned buffer, verified, then
+  copied without blocking on a side stream (``whole``: the storage at once).
+* ``FRESH``: the file holds a numpy array or an ``io.BytesIO`` there: it comes back new,
+  in the returned tree, like the other non-tensor leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from .._staging.plan import (
+    DictNode,
+    Node,
+    ObjectNode,
+    PlannedSource,
+    RefNode,
+    SeqNode,
+    StagePlan,
+    TensorKind,
+    TensorNode,
+    TensorSpec,
+)
+from .._util.errors import Attr, DestinationMismatchError, KeyPath
+from .._util.timeslice import Steps, slice_over
+
+
+class Mode(enum.Enum):
+    """How one storage of the file reaches the caller's memory."""
+
+    DIRECT = "direct"
+    BOUNCE = "bounce"
+    DEVICE = "device"
+    FRESH = "fresh"
+
+
+class StorageFill(NamedTuple):
+    """What to do with one storage of the file."""
+
+    mode: Mode
+    pairs: tuple[tuple[TensorSpec, torch.Tensor], ...]
+    """``(the file's tensor, the caller's plain tensor it fills)`` for each tensor on it."""
+    whole: torch.UntypedStorage | None
+    """``DIRECT`` / whole ``DEVICE``: the caller's storage, written whole."""
+    keep: bool
+    """The storage's bytes are needed afterwards: the file holds an array or BytesIO on it."""
+
+
+@dataclasses.dataclass
+class FillPlan:
+    """Every storage of the file matched to the caller's memory, and what the returned tree uses."""
+
+    storages: list[StorageFill]
+    originals: dict[int, Any]
+    """The caller's own object (Parameter, DTensor, tensor) for each file tensor it fills."""
+    paths: list[list[KeyPath]]
+    """For each storage of the file, the destination key paths of the tensors it fills."""
+
+
+def iter_places(plan: StagePlan) -> Steps[dict[KeyPath, int]]:
+    """Every key path at which ``plan``'s tree holds a tensor, and that tensor's position,
+    in the tree's order; a container met twice is counted at each of its places."""
+    places: dict[KeyPath, int] = {}
+    yield from _iter_places(plan.root, (), {}, places)
+    return places
+
+
+def _iter_places(node: Node, path: KeyPath, memo: dict[int, Node], places: dict[KeyPath, int]) -> Steps[None]:
+    if type(node) is TensorNode:
+        places[path] = node.position
+        return
+    children: list[tuple[Node, KeyPath]]
+    if isinstance(node, DictNode):
+        children = [(v, (*path, k)) for k, v in zip(node.keys, node.values, strict=True)]
+        children += [(v, (*path, Attr(k))) for k, v in node.attrs]
+    elif isinstance(node, SeqNode):
+        children = [(v, (*path, i)) for i, v in enumerate(node.items)]
+        children += [(v, (*path, Attr(k))) for k, v in node.attrs]
+    elif isinstance(node, ObjectNode):
+        children = [(v, (*path, Attr(k))) for k, v in node.fields]
+    elif isinstance(node, RefNode):  # the container was walked (and remembered) before
+        yield from _iter_places(memo[node.memo], path, memo, places)
+        return
+    else:
+        return
+    for child, child_path in children:
+        if type(child) is TensorNode:
+            places[child_path] = child.position
+        else:
+            yield from _iter_places(child, child_path, memo, places)
+        if slice_over():
+            yield
+    memo[node.memo] = node  # as the planner numbers it: once its items are walked
+
+
+def _describe(spec: TensorSpec) -> str:
+    return f"a {str(spec.dtype).removeprefix('torch.')} tensor of shape {tuple(spec.size)}"
+
+
+def _overlaps(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a strided view may reach one element from two indices (a sufficient test:
+    dims sorted by stride, each stride past the reach of the smaller ones)."""
+    dims = sorted((s, n) for n, s in zip(size, stride, strict=True) if n > 1)
+    reach = 0
+    for s, n in dims:
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def layout_problem(want: TensorSpec, have: TensorSpec) -> str | None:
+    """Why the caller's tensor ``have`` cannot take the file's ``want``, or ``None``."""
+    if have.dtype != want.dtype or tuple(have.size) != tuple(want.size):
+        return f"expected {_describe(want)}, found {_describe(have)}"
+    for flag, name in (("conj", "a conjugate bit"), ("neg", "a negative bit")):
+        if getattr(want, flag) != getattr(have, flag):
+            wanted, found = ("with", "without") if getattr(want, flag) else ("without", "with")
+            return f"expected {_describe(want)} {wanted} {name}, found one {found}"
+    return None
+
+
+def _leaf_name(kind: TensorKind) -> str:
+    return "a numpy array" if kind is TensorKind.NDARRAY else "an io.BytesIO"
+
+
+def iter_match(file_plan: StagePlan, dest: PlannedSource, into: Any) -> Steps[FillPlan]:
+    """The :class:`FillPlan` of filling ``into`` (planned as ``dest``) from a file of ``file_plan``.
+
+    :raises DestinationMismatchError: a tensor missing on either side, or of another dtype,
+        shape or flags, or a destination that cannot be written faithfully.
+    """
+    file_places = yield from iter_places(file_plan)
+    dest_places = yield from iter_places(dest.plan)
+    problems: list[tuple[KeyPath, str]] = []
+    assigned: dict[int, int] = {}  # destination position -> file position
+    for path, fpos in file_places.items():
+        want = file_plan.tensors[fpos]
+        dpos = dest_places.get(path)
+        if want.kind in (TensorKind.NDARRAY, TensorKind.BYTESIO):
+            if dpos is not None:
+                problems.append(
+                    (path, f"the file holds {_leaf_name(want.kind)} here, the destination a tensor")
+                )
+            continue
+        if dpos is None:
+            problems.append((path, f"missing from the destination: the file holds {_describe(want)} here"))
+            continue
+        if assigned.setdefault(dpos, fpos) != fpos:
+            problems.append((path, "this destination tensor also sits where the file holds another tensor"))
+            continue
+        problem = layout_problem(want, dest.plan.tensors[dpos])
+        if problem is not None:
+            problems.append((path, problem))
+        if slice_over():
+            yield
+    for path in dest_places:
+        if path not in file_places:
+            problems.append((path, "unexpected: the file holds no tensor here"))
+        if slice_over():
+            yield
+    if problems:
+        raise DestinationMismatchError(problems)
+    return (yield from _iter_fill_plan(file_plan, dest, into, assigned, dest_places))
+
+
+def _iter_fill_plan(
+    file_plan: StagePlan,
+    dest: PlannedSource,
+    into: Any,
+    assigned: Mapping[int, int],
+    dest_places: Mapping[KeyPath, int],
+) -> Steps[FillPlan]:
+    by_storage: list[list[int]] = [[] for _ in file_plan.storages]  # destination positions
+    for dpos, fpos in assigned.items():
+        by_storage[file_plan.tensors[fpos].storage].append(dpos)
+        if slice_over():
+            yield
+    users: dict[int, int] = {}  # destination storage -> file storages filling it
+    for dposes in by_storage:
+        for d in {dest.plan.tensors[p].storage for p in dposes}:
+            users[d] = users.get(d, 0) + 1
+        if slice_over():
+            yield
+    back = dict(assigned)
+    leaves = (TensorKind.NDARRAY, TensorKind.BYTESIO)
+    kept = frozenset(t.storage for t in file_plan.tensors if t.kind in leaves)
+    fills: list[StorageFill] = []
+    problems: list[tuple[KeyPath, str]] = []
+    for s, dposes in enumerate(by_storage):
+        fill, problem = _storage_fill(file_plan, dest, s, dposes, back, users, kept)
+        fills.append(fill)
+        if problem is not None:
+            problems.append(problem)
+        if slice_over():
+            yield
+    if problems:
+        raise DestinationMismatchError(problems)
+    paths: list[list[KeyPath]] = [[] for _ in file_plan.storages]
+    for path, dpos in dest_places.items():
+        paths[file_plan.tensors[back[dpos]].storage].append(path)
+        if slice_over():
+            yield
+    originals: dict[int, Any] = {}
+    for fpos in assigned.values():
+        originals[fpos] = _lookup(into, file_plan.tensors[fpos].key_path)
+        if slice_over():
+            yield
+    return FillPlan(fills, originals, paths)
+
+
+def _storage_fill(
+    file_plan: StagePlan,
+    dest: PlannedSource,
+    s: int,
+    dposes: list[int],
+    back: Mapping[int, int],
+    users: Mapping[int, int],
+    kept: frozenset[int],
+) -> tuple[StorageFill, tuple[KeyPath, str] | None]:
+    """The fill of file storage ``s`` (filling the destination tensors ``dposes``), or why not."""
+    keep = s in kept
+    if len(dposes) == 1 and not keep:
+        direct = _direct_one(file_plan, dest, s, dposes[0], back[dposes[0]], users)
+        if direct is not None:
+            return direct, None
+    pairs = tuple((file_plan.tensors[back[d]], dest.tensors[d]) for d in dposes)
+    if not pairs:
+        return StorageFill(Mode.FRESH, (), None, True), None
+    on_cpu = all(local.is_cpu for _, local in pairs)
+    one_device = len({local.device for _, local in pairs}) == 1
+    whole = _whole(file_plan, dest, s, dposes, back, users) if one_device and not keep else None
+    if whole is None:
+        for d in dposes:
+            spec = dest.plan.tensors[d]
+            if _overlaps(tuple(spec.size), tuple(spec.stride)):
+                problem = (
+                    f"the destination tensor overlaps itself (stride {tuple(spec.stride)}) and does not "
+                    "share the file's layout: it cannot be filled element by element"
+                )
+                return StorageFill(Mode.BOUNCE, pairs, None, keep), (dest.plan.tensors[d].key_path, problem)
+    mode = (Mode.DIRECT if whole is not None else Mode.BOUNCE) if on_cpu else Mode.DEVICE
+    return StorageFill(mode, pairs, whole, keep), None
+
+
+def _whole(
+    file_plan: StagePlan,
+    dest: PlannedSource,
+    s: int,
+    dposes: list[int],
+    back: Mapping[int, int],
+    users: Mapping[int, int],
+) -> torch.UntypedStorage | None:
+    """The caller's storage as bytes, where file storage ``s`` may be written over it whole:
+    one destination storage of the same size, filled from no other file storage, every
+    tensor on it at the file's offset and strides, one of them covering all of it."""
+    dstorages = {dest.plan.tensors[d].storage for d in dposes}
+    if len(dstorages) != 1:
+        return None
+    d = next(iter(dstorages))
+    nbytes = file_plan.storages[s].nbytes
+    if users[d] != 1 or dest.plan.storages[d].nbytes != nbytes:
+        return None
+    for p in dposes:
+        have, want = dest.plan.tensors[p], file_plan.tensors[back[p]]
+        if have.offset != want.offset or tuple(have.stride) != tuple(want.stride):
+            return None
+    if not any(_covers(dest.tensors[p], nbytes) for p in dposes):
+        return None
+    return dest.storages[d]
+
+
+def _direct_one(
+    file_plan: StagePlan, dest: PlannedSource, s: int, d: int, f: int, users: Mapping[int, int]
+) -> StorageFill | None:
+    """The common case at a glance, from the plans' records alone: one CPU tensor alone on a
+    storage of the file storage's size, at its offset and strides, covering it."""
+    have, want = dest.plan.tensors[d], file_plan.tensors[f]
+    storage = dest.plan.storages[have.storage]
+    nbytes = file_plan.storages[s].nbytes
+    if (
+        storage.nbytes != nbytes
+        or have.offset != want.offset
+        or have.stride != want.stride
+        or storage.device.type != "cpu"
+        or users[have.storage] != 1
+    ):
+        return None
+    dims = sorted((st, n) for n, st in zip(have.size, have.stride, strict=True) if n > 1 and st)
+    reach = 1
+    for st, n in dims:
+        if st != reach:
+            return None
+        reach *= n
+    if have.offset or reach * have.dtype.itemsize != nbytes:
+        return None
+    return StorageFill(Mode.DIRECT, ((want, dest.tensors[d]),), dest.storages[have.storage], False)
+
+
+def _covers(local: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``local`` reaches every byte of its ``nbytes``-byte storage and nothing twice
+    but along expanded (stride 0) dims: dense in some order of its dims, from offset 0."""
+    if local.storage_offset() != 0:
+        return False
+    dims = sorted((s, n) for n, s in zip(local.shape, local.stride(), strict=True) if n > 1 and s)
+    reach = 1
+    for s, n in dims:
+        if s != reach:
+            return False
+        reach *= n
+    return reach * local.element_size() == nbytes
+
+
+def _lookup(tree: Any, path: KeyPath) -> Any:
+    """The object at ``path`` in ``tree`` (dict keys, sequence indices, attributes)."""
+    for entry in path:
+        tree = getattr(tree, entry.name) if isinstance(entry, Attr) else tree[entry]
+    return tree

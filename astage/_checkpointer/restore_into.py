@@ -1,0 +1,538 @@
+"""``restore(into=state_dict)``: a checkpoint's bytes straight into the caller's live tensors.
+
+A :class:`Destination` is the caller's tree, planned once.  For each copy a restore tries
+(its own file, a replica, a copy received from a peer), the copy's header is matched to
+it first (:mod:`astage._checkpointer.destination`: nothing is written on a mismatch), then
+the body is read by worker-thread lanes (:mod:`astage._files.body_reads`) straight into
+the caller's CPU storages where the layouts agree, through a scratch buffer where they do
+not, and through pooled pinned buffers and non-blocking copies on a side stream for
+accelerator tensors (:class:`_DeviceCopies`), each storage verified before it is copied
+on.  The returned tree is the file's, with the caller's own tensor objects in it.
+
+What was written is tracked per destination key path (:class:`FillReport`): whatever ends
+a restore before its end (a corrupt copy and no good one, an I/O error, cancellation), the
+exception carries the report as ``fill_report`` (and in a note where it cannot), so no
+tensor is ever left half-filled without saying so.  A copy refused half-way is followed
+by the next one, which fills everything again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import torch
+
+from .._files.body_reads import (
+    Piece,
+    ReadLedger,
+    pieces_of,
+    read_checkpoint_file,
+    read_pieces,
+    storages_in_slices,
+)
+from .._files.durable import blocking_io
+from .._files.reading import CheckpointFile
+from .._format.codec import FileHeader
+from .._staging.events import wait_event
+from .._staging.plan import PlannedSource, StagePlan, TensorSpec, iter_plan, supported_devices
+from .._staging.pool import BufferKind, BufferPool, Lease
+from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
+from .._util.collector import without_gc
+from .._util.errors import KeyPath, format_key_path, one_error
+from .._util.threads import run_sync
+from .._util.timeslice import Steps, run_steps, within
+from .destination import FillPlan, Mode, StorageFill, iter_match, iter_places
+
+log = logging.getLogger("astage.checkpointer")
+
+WINDOW_BYTES: Final = 64 << 20
+"""Bytes of accelerator-bound storages read into one pinned buffer before their copies are
+enqueued; two such buffers are in use at once (one filling, one copying)."""
+
+CALL_BYTES: Final = 32 << 20
+"""Most bytes one worker-thread call copies out of a body already in memory."""
+
+FILLED: Final = "filled"
+PARTIAL: Final = "partial"
+
+
+@dataclasses.dataclass(frozen=True)
+class FillReport:
+    """What a ``restore(into=...)`` that did not finish did to the caller's tensors.
+
+    :ivar filled: key paths whose tensors hold the checkpoint's verified bytes.
+    :ivar partial: key paths whose tensors were written in part, or with bytes that then
+        failed their checksum: their contents are undefined.
+    :ivar untouched: key paths whose tensors were not written at all.
+    """
+
+    filled: tuple[KeyPath, ...]
+    partial: tuple[KeyPath, ...]
+    untouched: tuple[KeyPath, ...]
+
+    def __str__(self) -> str:
+        shown = ", ".join(map(format_key_path, self.partial[:3])) + (", ..." if len(self.partial) > 3 else "")
+        text = (
+            f"restore(into=...) did not finish: {len(self.filled)} tensor(s) filled, "
+            f"{len(self.partial)} written in part, {len(self.untouched)} untouched"
+        )
+        return text + (f" (in part: {shown})" if self.partial else "")
+
+
+class Destination:
+    """The caller's tree being filled, and what has been written to it so far."""
+
+    def __init__(self, into: Any) -> None:
+        self.into = into
+        self.source: PlannedSource | None = None
+        # Per copy tried, in order: its fill plan, and the storages written (in part or
+        # unverified) and filled; the sets are added to from worker threads.
+        self.copies: list[tuple[FillPlan, set[int], set[int]]] = []
+        self.all_paths: list[KeyPath] = []
+
+    async def plan(self) -> None:
+        """Plan ``into``: its tensors (CPU or the machine's accelerator) and their key paths.
+
+        :raises UnsupportedInputError: a value of ``into`` that cannot be planned, named.
+        """
+        self.source, self.all_paths = await run_steps(self._iter_plan())
+
+    def _iter_plan(self) -> Steps[tuple[PlannedSource, list[KeyPath]]]:
+        source = yield from iter_plan(self.into, allowed_devices=supported_devices())
+        places = yield from iter_places(source.plan)
+        return source, list(places)
+
+    async def match(self, header: FileHeader) -> FillPlan:
+        """How to fill this destination from a copy of ``header``.
+
+        :raises DestinationMismatchError: before any byte of it is written.
+        """
+        assert self.source is not None, "plan() first"
+        return await run_steps(self._iter_match(header))
+
+    def _iter_match(self, header: FileHeader) -> Steps[FillPlan]:
+        assert self.source is not None
+        fill = yield from iter_match(header.plan, self.source, self.into)
+        self.copies.append((fill, set(), set()))
+        return fill
+
+    def mark(self, fill: FillPlan, storage: int, state: str) -> None:
+        """Storage ``storage`` of the copy ``fill`` is being written (``PARTIAL``) or filled."""
+        current, touched, filled = self.copies[-1]  # registered by match(), on the loop
+        assert current is fill, "a storage of an earlier copy"
+        (touched if state == PARTIAL else filled).add(storage)
+
+    def report(self) -> FillReport:
+        state: dict[KeyPath, str] = {}
+        for fill, touched, filled in self.copies:  # a later copy overwrites what an earlier wrote
+            for storage in touched - filled:
+                state.update(dict.fromkeys(fill.paths[storage], PARTIAL))
+            for storage in filled:
+                state.update(dict.fromkeys(fill.paths[storage], FILLED))
+        filled_paths = tuple(p for p in self.all_paths if state.get(p) == FILLED)
+        partial = tuple(p for p in self.all_paths if state.get(p) == PARTIAL)
+        untouched = tuple(p for p in self.all_paths if p not in state)
+        return FillReport(filled_paths, partial, untouched)
+
+    def annotate(self, exc: BaseException) -> None:
+        """Tell what ``exc`` left in the caller's tensors: ``exc.fill_report`` and a note."""
+        report = self.report()
+        with contextlib.suppress(AttributeError, TypeError):  # an exception class with slots
+            exc.fill_report = report  # type: ignore[attr-defined]
+        exc.add_note(str(report))
+        if report.partial:
+            log.warning("%s", report)
+
+
+class _IntoRebuilder(Rebuilder):
+    """The file's tree, with the caller's own objects where it holds the tensors filled."""
+
+    def __init__(
+        self, plan: StagePlan, local: Callable[[int], torch.Tensor], originals: dict[int, Any]
+    ) -> None:
+        super().__init__(plan, local)
+        self.originals = originals
+
+    def tensor(self, index: int) -> torch.Tensor:
+        original = self.originals.get(index)
+        if original is None:
+            return super().tensor(index)
+        self.tensors[index] = original
+        return original  # type: ignore[no-any-return]
+
+
+async def returned_tree(header: FileHeader, fill: FillPlan, kept: dict[int, torch.UntypedStorage]) -> Any:
+    """The restored tree: the caller's tensors, and new non-tensor leaves (``kept``: the
+    storages of the arrays and BytesIOs the file holds)."""
+    specs = header.plan.tensors
+    rebuilder = _IntoRebuilder(
+        header.plan, lambda i: make_tensor(specs[i], kept[specs[i].storage]), fill.originals
+    )
+    return await run_steps(within(plain_tensor_mode, rebuilder.node(header.plan.root)))
+
+
+# -- copying a verified storage on --------------------------------------------------------------
+
+
+def copy_pairs(
+    fill: StorageFill, storage: torch.UntypedStorage, at: int = 0, *, non_blocking: bool = False
+) -> None:
+    """Copy a verified storage of the file, at byte ``at`` of ``storage``, into each caller
+    tensor it fills (no autograd)."""
+    with torch.no_grad():
+        if fill.whole is not None:
+            whole = _bytes(fill.whole)
+            src = torch.empty(0, dtype=torch.uint8).set_(storage, at, (whole.numel(),), (1,))
+            whole.copy_(src, non_blocking=non_blocking)
+            return
+        for spec, local in fill.pairs:
+            local.copy_(_view(spec, storage, at), non_blocking=non_blocking)
+
+
+def _view(spec: TensorSpec, storage: torch.UntypedStorage, at: int) -> torch.Tensor:
+    """The file's tensor ``spec`` over ``storage`` whose bytes start at ``at`` (a multiple of
+    the element size)."""
+    if not at:
+        return make_tensor(spec, storage)
+    t = torch.empty(0, dtype=spec.dtype).set_(
+        storage, spec.offset + at // spec.dtype.itemsize, spec.size, spec.stride
+    )
+    if spec.conj:
+        t = t.conj()
+    if spec.neg:
+        t = torch._neg_view(t)
+    return t
+
+
+class _DeviceCopies:
+    """Side streams that copy verified pinned bytes to accelerator tensors without blocking.
+
+    Each side stream first waits for its device's current stream (the caller's pending
+    work on the tensors comes first); copies are enqueued from the lanes' worker threads;
+    :meth:`record` gives an event per stream, polled from the loop.
+    """
+
+    def __init__(self, devices: set[torch.device]) -> None:
+        self.streams: dict[torch.device, Any] = {}
+        for device in devices:
+            if device.type == "cuda":
+                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                side.wait_stream(torch.cuda.current_stream(device))
+                self.streams[device] = side
+
+    def enqueue(self, fill: StorageFill, storage: torch.UntypedStorage, at: int) -> None:
+        """Enqueue ``fill``'s copies from byte ``at`` of the pinned ``storage`` (in a worker thread)."""
+        device = fill.pairs[0][1].device
+        side = self.streams.get(device)
+        if side is None:  # no side stream for this device (CPU in tests): a blocking copy
+            copy_pairs(fill, storage, at)
+            return
+        with torch.cuda.stream(side):
+            copy_pairs(fill, storage, at, non_blocking=True)
+
+    def record(self) -> list[Any]:
+        return [side.record_event() for side in self.streams.values()]
+
+
+# -- the sink -----------------------------------------------------------------------------------
+
+
+class IntoSink:
+    """Where each storage of a copy goes, and what happens once it is verified (worker threads)."""
+
+    def __init__(self, fill: FillPlan, header: FileHeader, destination: Destination) -> None:
+        self.fill, self.header, self.destination = fill, header, destination
+        self.bounce: dict[int, torch.UntypedStorage] = {}
+        # DEVICE storages of the windows being read or copied: (pinned buffer, byte offset)
+        self.pinned: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        self.devices: _DeviceCopies | None = None
+        self.enqueued: list[int] = []  # DEVICE storages whose copies were enqueued, not yet waited for
+
+    def dest(self, storage: int) -> memoryview:
+        fill = self.fill.storages[storage]
+        if fill.mode is Mode.DIRECT:
+            assert fill.whole is not None
+            self.destination.mark(self.fill, storage, PARTIAL)
+            return _memory(fill.whole.data_ptr(), fill.whole.nbytes())
+        nbytes = int(self.header.segments.nbytes[storage])
+        if fill.mode is Mode.DEVICE:
+            pinned, at = self.pinned[storage]
+            return _memory(pinned.data_ptr() + at, nbytes)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.bounce[storage] = buf.untyped_storage()
+        return _writable(buf)
+
+    def take_enqueued(self) -> tuple[list[int], list[Any]]:
+        """The storages whose copies were enqueued since the last call, and an event per
+        side stream recorded after them (on the loop, between two windows)."""
+        enqueued, self.enqueued = self.enqueued, []
+        return enqueued, [] if self.devices is None else self.devices.record()
+
+    def verified(self, storage: int, view: memoryview) -> None:
+        fill = self.fill.storages[storage]
+        if fill.mode is Mode.DIRECT:
+            self.destination.mark(self.fill, storage, FILLED)
+            return
+        if fill.mode is Mode.FRESH:
+            return
+        self.destination.mark(self.fill, storage, PARTIAL)
+        if fill.mode is Mode.DEVICE:
+            assert self.devices is not None
+            self.devices.enqueue(fill, *self.pinned[storage])
+            self.enqueued.append(storage)
+            return
+        copy_pairs(fill, self.bounce[storage])
+        if not fill.keep:
+            del self.bounce[storage]
+        self.destination.mark(self.fill, storage, FILLED)
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """``storage`` as a 1-D uint8 tensor (made in the worker thread that uses it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _memory(address: int, nbytes: int) -> memoryview:
+    """Writable bytes at ``address``, owned elsewhere (a caller's or a pooled storage that
+    outlives the read): a ctypes view is made in ~1 us, a tensor's numpy view in ~5."""
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+def _writable(t: torch.Tensor) -> memoryview:
+    return t.numpy().data if t.numel() else memoryview(bytearray())
+
+
+# -- reading a file into the destination -----------------------------------------------------------
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def windows(pieces: Sequence[Piece], fill: FillPlan, body_nbytes: int) -> list[tuple[int, int, list[Piece]]]:
+    """``pieces`` cut where the accelerator-bound bytes of a window would pass
+    :data:`WINDOW_BYTES` (one window when there are none): ``(start, stop, pieces)``."""
+    out: list[tuple[int, int, list[Piece]]] = []
+    start, device_bytes = 0, 0
+    current: list[Piece] = []
+    for piece in pieces:
+        on_device = fill.storages[piece.storage].mode is Mode.DEVICE
+        size = _aligned(piece.nbytes) if on_device else 0  # as its pinned buffer holds it
+        if on_device and current and device_bytes + size > WINDOW_BYTES:
+            stop = current[-1].start + current[-1].nbytes
+            out.append((start, stop, current))
+            start, current, device_bytes = stop, [], 0
+        current.append(piece)
+        device_bytes += size
+    out.append((start, body_nbytes, current))
+    return out
+
+
+@dataclasses.dataclass
+class _Reading:
+    fd: int
+    path: Path
+    header: FileHeader
+    lanes: int
+    limiter: anyio.CapacityLimiter | None
+    on_read: Callable[[int], None] | None
+
+
+async def fill_body(
+    reading: _Reading, fill: FillPlan, destination: Destination
+) -> dict[int, torch.UntypedStorage]:
+    """Read the body of an open file into ``destination``; the storages kept for new leaves.
+
+    :raises IntegrityError: a storage failed its checksum (the storages before it are
+        filled, it and those being read beside it are marked in part).
+    """
+    header = reading.header
+    sink = IntoSink(fill, header, destination)
+    device_storages = [i for i, f in enumerate(fill.storages) if f.mode is Mode.DEVICE]
+    # Off the loop: a list and a pass over 20,000 storages take milliseconds.
+    pieces = await run_sync(without_gc(pieces_of), header, limiter=reading.limiter)
+    cut = await run_sync(without_gc(windows), pieces, fill, header.body_nbytes, limiter=reading.limiter)
+    if not device_storages:
+        await _read_window(reading, sink, cut[0])
+        return sink.bounce
+    sink.devices = _DeviceCopies({fill.storages[i].pairs[0][1].device for i in device_storages})
+    biggest = max(_aligned(int(header.segments.nbytes[i])) for i in device_storages)
+    kind = BufferKind.PINNED if torch.cuda.is_available() else BufferKind.PLAIN
+    pool = BufferPool(kind, max_bytes=2 * max(WINDOW_BYTES, biggest), retain=True)
+    try:
+        with one_error():  # the read's own error, not a group of it
+            async with anyio.create_task_group() as group:
+                for window in cut:
+                    lease = await _lease(pool, window, fill, sink)
+                    try:
+                        await _read_window(reading, sink, window)
+                    finally:
+                        copies = sink.take_enqueued()
+                        if lease is not None:
+                            group.start_soon(_settle, sink, pool, lease, copies, (destination, fill))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pool.aclose()
+    return sink.bounce
+
+
+async def _read_window(reading: _Reading, sink: IntoSink, window: tuple[int, int, list[Piece]]) -> ReadLedger:
+    start, stop, pieces = window
+    return await read_pieces(
+        reading.fd,
+        reading.header,
+        pieces,
+        sink,
+        path=reading.path,
+        lanes=reading.lanes,
+        limiter=reading.limiter,
+        on_read=reading.on_read,
+        span=(start, stop),
+    )
+
+
+async def _lease(
+    pool: BufferPool, window: tuple[int, int, list[Piece]], fill: FillPlan, sink: IntoSink
+) -> Lease | None:
+    """A pinned buffer for the window's accelerator-bound storages, parted into ``sink.pinned``
+    (each at a 64-byte boundary: a multiple of every element size)."""
+    on_device = [p for p in window[2] if fill.storages[p.storage].mode is Mode.DEVICE]
+    if not on_device:
+        return None
+    need = sum(_aligned(p.nbytes) for p in on_device)
+    lease = await pool.acquire([max(need, WINDOW_BYTES)])
+    at = 0
+    for piece in on_device:
+        sink.pinned[piece.storage] = (lease.buffers[0], at)
+        at += _aligned(piece.nbytes)
+    return lease
+
+
+async def _settle(
+    sink: IntoSink,
+    pool: BufferPool,
+    lease: Lease,
+    copies: tuple[list[int], list[Any]],
+    target: tuple[Destination, FillPlan],
+) -> None:
+    """Wait for a window's copies, mark their tensors filled, give the pinned buffer back.
+
+    The wait is shielded: the buffer must not be reused (nor the restore end) while the
+    device may still read it, and the copies enqueued complete anyway.
+    """
+    enqueued, events = copies
+    destination, fill = target
+    try:
+        with anyio.CancelScope(shield=True):
+            for event in events:
+                await wait_event(event)
+        for storage in enqueued:
+            destination.mark(fill, storage, FILLED)
+    finally:
+        for storage in enqueued:
+            sink.pinned.pop(storage, None)
+        pool.give_back(lease)
+
+
+async def fill_checkpoint_file(
+    path: str | os.PathLike[str],
+    *,
+    destination: Destination,
+    lanes: int = 1,
+    limiter: anyio.CapacityLimiter | None = None,
+    check: Callable[[FileHeader], None] | None = None,
+    dir_fd: int | None = None,
+    on_read: Callable[[int], None] | None = None,
+) -> Any:
+    """:func:`astage._files.durable.load_checkpoint_file` into ``destination``'s tensors.
+
+    :raises DestinationMismatchError: the file does not fit the destination; nothing written.
+    :raises IntegrityError: as ``load_checkpoint_file`` (the destination's state is tracked).
+    :raises OSError: the file cannot be opened or read.
+    """
+    f = await blocking_io(CheckpointFile, Path(path), dir_fd, limiter=limiter)
+    try:
+        header, _ = await blocking_io(f.header, limiter=limiter)
+        if check is not None:
+            check(header)
+        fill = await destination.match(header)
+        reading = _Reading(f.fd, f.path, header, lanes, limiter, on_read)
+        kept = await fill_body(reading, fill, destination)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await blocking_io(f.close, limiter=limiter)
+    return await returned_tree(header, fill, kept)
+
+
+async def fill_from_body(
+    header: FileHeader,
+    body: torch.Tensor,
+    destination: Destination,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> Any:
+    """Fill ``destination`` from a body already in memory, every byte of it verified (a copy
+    received from a peer); the returned tree as :func:`fill_checkpoint_file`'s.
+
+    :raises DestinationMismatchError: the copy does not fit the destination; nothing written.
+    """
+    fill = await destination.match(header)
+    storages = await run_steps(storages_in_slices(header, body))
+    kept = {s: storages[s] for s, f in enumerate(fill.storages) if f.keep or f.mode is Mode.FRESH}
+    batches: list[list[int]] = [[]]
+    size = 0
+    for s, f in enumerate(fill.storages):
+        if f.mode is Mode.FRESH:
+            continue
+        if size >= CALL_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(s)
+        size += storages[s].nbytes()
+    for batch in batches:
+        await run_sync(without_gc(_copy_batch), fill, storages, batch, destination, limiter=limiter)
+    return await returned_tree(header, fill, kept)
+
+
+def _copy_batch(
+    fill: FillPlan, storages: list[torch.UntypedStorage], batch: list[int], destination: Destination
+) -> None:
+    for s in batch:
+        destination.mark(fill, s, PARTIAL)
+        copy_pairs(fill.storages[s], storages[s])
+        destination.mark(fill, s, FILLED)
+
+
+Loader = Callable[..., Awaitable[Any]]
+"""Reads one checkpoint file, with ``load_checkpoint_file``'s keyword arguments."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreLoads:
+    """How one restore reads a file, and turns a verified body received from a peer into its result."""
+
+    file: Loader
+    body: Callable[[FileHeader, torch.Tensor], Awaitable[Any]] | None
+    """``None``: the body is decoded into new tensors (:func:`collective_restore`'s own way)."""
+
+
+def restore_loads(
+    destination: Destination | None, lanes: int, limiter: anyio.CapacityLimiter | None
+) -> RestoreLoads:
+    """The loads of a restore: into ``destination``'s tensors, or into one new body buffer."""
+    if destination is None:
+        return RestoreLoads(functools.partial(read_checkpoint_file, lanes=lanes), None)
+    return RestoreLoads(
+        functools.partial(fill_checkpoint_file, destination=destination, lanes=lanes),
+        functools.partial(fill_from_body, destination=destination, limiter=limiter),
+    )
