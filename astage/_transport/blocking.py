@@ -112,18 +112,21 @@ class BlockingLink:
     def _perform(self, action: Action) -> object:
         """Perform one action; the reply its direction is sent back."""
         call = self.call
-        match action:
-            case Post(tensor, tag, send):
-                with call.posting(send=send):
-                    return call.hold(gloo.post(call.pg, call.peer(send=send), tensor, tag, send=send))
-            case Complete(message, send):
-                with call.translating(send=send):
-                    gloo.wait(cast(gloo.Posted, message).work, call.deadline)
-                call.release(message)
-            case Pack(parts, out):
-                pack(parts, out)
-            case Hand(hook, args):
-                hook(*args)
+        if type(action) is Complete:
+            with call.translating(send=action.send):
+                gloo.wait(cast(gloo.Posted, action.message).work, call.deadline)
+            call.release(action.message)
+        elif type(action) is Post:
+            call.posting()
+            with call.translating(send=action.send):
+                posted = gloo.post(
+                    call.pg, call.peer(send=action.send), action.tensor, action.tag, send=action.send
+                )
+            return call.hold(posted)
+        elif type(action) is Hand:
+            action.hook(*action.args)
+        elif type(action) is Pack:
+            pack(action.parts, action.out)
         return None  # Expect: gloo's tags keep messages apart, there is no launch order
 
 

@@ -21,15 +21,15 @@ A direction yields one action at a time and is sent back the driver's reply:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -62,10 +62,12 @@ _MIN_WAIT = 1e-3
 """The shortest wait given to the backend: a zero timedelta means "no timeout" to c10d."""
 
 
-# -- actions -------------------------------------------------------------------------------
+# -- actions --------------------------------------------------------------------------------
+# Plain slotted records, made once a message: a frozen dataclass costs three times as much
+# to make, a named tuple half again.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Post:
     """Post a non-blocking send of ``tensor`` (``send``) or a receive into it, on ``tag``."""
 
@@ -74,7 +76,7 @@ class Post:
     send: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Complete:
     """Wait until ``message`` (a :class:`Post`'s reply) has gone, or has landed."""
 
@@ -82,7 +84,7 @@ class Complete:
     send: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Expect:
     """The direction posts ``total`` messages in all in this call."""
 
@@ -90,7 +92,7 @@ class Expect:
     send: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pack:
     """Pack ``parts`` into ``out`` (:func:`pack`)."""
 
@@ -98,7 +100,7 @@ class Pack:
     out: torch.Tensor
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hand:
     """Hand ``args`` to the caller's ``hook``: awaited by the async driver, called by the
     blocking one."""
@@ -124,6 +126,30 @@ def advance(direction: Direction, reply: object) -> Action | None:
 def wait_seconds(deadline: float) -> float:
     """What is left until ``deadline`` (``time.monotonic()``), as a backend wait's timeout."""
     return max(deadline - time.monotonic(), _MIN_WAIT)
+
+
+class Translating:
+    """A context in which a backend's ``RuntimeError`` is raised as the call's error: a
+    :class:`PeerTimeoutError` when the backend says it timed out, else a
+    :class:`TransportError`; ``what`` says which rank was doing what with which peer."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, RuntimeError):
+            text = str(exc).strip()
+            # Gloo prefixes its messages with a source location: keep the words, not the path.
+            text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(exc).__name__
+            error = PeerTimeoutError if "timed out" in text.lower() else TransportError
+            raise error(f"{self.what}: {text}") from exc
 
 
 # -- one call's state ------------------------------------------------------------------------
@@ -175,6 +201,10 @@ class Call:
         self.interrupted = False
         self.broken = False
         self._lock = threading.Lock()
+        self._translating = (
+            Translating(f"rank {rank}: receiving from rank {self.recv_from}"),
+            Translating(f"rank {rank}: sending to rank {self.send_to}"),
+        )
 
     @classmethod
     def within(
@@ -225,10 +255,11 @@ class Call:
 
     # -- touching the group
 
-    @contextlib.contextmanager
-    def posting(self, *, send: bool) -> Iterator[None]:
-        """Around a post or a launch: marks the group touched (the first time, ``on_posted``),
-        refuses once interrupted, and reads a backend failure as :meth:`translate` does."""
+    def posting(self) -> None:
+        """Before a post or a launch: marks the group touched (the first time, calls
+        ``on_posted``); refuses once the call is interrupted."""
+        if self.posted and not self.interrupted:
+            return  # the common case, without the lock (as if an interrupt came just after)
         with self._lock:
             if self.interrupted:
                 raise TransportError(
@@ -237,16 +268,11 @@ class Call:
             first, self.posted = not self.posted, True
         if first and self.on_posted is not None:
             self.on_posted()
-        with self.translating(send=send):
-            yield
 
-    @contextlib.contextmanager
-    def translating(self, *, send: bool) -> Iterator[None]:
-        """Read a backend's ``RuntimeError`` inside as the call's error (:meth:`translate`)."""
-        try:
-            yield
-        except RuntimeError as exc:
-            raise self.translate(exc, send=send) from exc
+    def translating(self, *, send: bool) -> Translating:
+        """Around a backend's operation in a direction: its ``RuntimeError`` becomes the call's
+        :class:`PeerTimeoutError` or :class:`TransportError`, naming the rank and the peer."""
+        return self._translating[send]
 
     def hold(self, message: object) -> object:
         """Keep a posted ``message`` (and its tensors) until it completes or the group breaks."""
@@ -256,18 +282,6 @@ class Call:
     def release(self, message: object) -> None:
         """``message`` has completed: its tensors may be reused."""
         self.pending.discard(message)
-
-    def translate(self, exc: RuntimeError, *, send: bool) -> TransportError:
-        """A backend's failure as :class:`PeerTimeoutError` or :class:`TransportError`."""
-        what = f"rank {self.rank}: " + (
-            f"sending to rank {self.send_to}" if send else f"receiving from rank {self.recv_from}"
-        )
-        text = str(exc).strip()
-        # Gloo prefixes its messages with a source location: keep the words, not the path.
-        text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(exc).__name__
-        if "timed out" in text.lower():
-            return PeerTimeoutError(f"{what}: {text}")
-        return TransportError(f"{what}: {text}")
 
     # -- the outcome
 
@@ -361,7 +375,9 @@ def sending(
             yield Pack(chunk.parts, tensor)
             call.chunks_packed += 1
         while len(inflight) >= window:
-            yield from _retire_oldest(inflight, buffers)
+            message, held = inflight.popleft()
+            yield Complete(message, send=True)
+            buffers.give_back(held)
         inflight.append(((yield Post(tensor, BODY_TAG, send=True)), buffer))
         call.chunks_sent += 1
         call.bytes_sent += chunk.nbytes

@@ -158,10 +158,10 @@ async def exchange_ack(
     pg: dist.ProcessGroup | None,
     ok: bool,
     *,
+    message: str = "",
     send_to: int,
     recv_from: int,
     timeout: float,  # noqa: ASYNC109 (see the module docstring)
-    message: str = "",
 ) -> None:
     """Agree on the outcome of an :func:`exchange` made with the same peers.
 

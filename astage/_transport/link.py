@@ -100,22 +100,24 @@ class Link:
 
     async def _perform(self, action: Action) -> object:
         """Perform one action; the reply its direction is sent back."""
-        call, wire = self.call, self.wire
-        match action:
-            case Post(tensor, tag, send):
-                with call.posting(send=send):
-                    return call.hold(await wire.post(tensor, tag, send=send))
-            case Complete(message, send):
-                with call.translating(send=send):
-                    await cast(Message, message).complete()
-                call.release(message)
-            case Expect(total, send):
-                with call.posting(send=send):  # (NCCL may launch from here)
-                    await wire.expect(total, send=send)
-            case Pack(parts, out):
-                await run_sync(pack, parts, out, limiter=self.limiter)
-            case Hand(hook, args):
-                await hook(*args)
+        call = self.call
+        # The common actions first, by type (a ``match`` costs a microsecond more a message).
+        if type(action) is Complete:
+            with call.translating(send=action.send):
+                await cast(Message, action.message).complete()
+            call.release(action.message)
+        elif type(action) is Post:
+            call.posting()
+            with call.translating(send=action.send):
+                return call.hold(await self.wire.post(action.tensor, action.tag, send=action.send))
+        elif type(action) is Hand:
+            await action.hook(*action.args)
+        elif type(action) is Pack:
+            await run_sync(pack, action.parts, action.out, limiter=self.limiter)
+        elif type(action) is Expect:
+            call.posting()
+            with call.translating(send=action.send):  # (NCCL may launch from here)
+                await self.wire.expect(action.total, send=action.send)
         return None
 
     def _break(self) -> None:
