@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -114,7 +113,7 @@ class BlockingLink:
         call = self.call
         if type(action) is Complete:
             with call.translating(send=action.send):
-                gloo.wait(cast(gloo.Posted, action.message).work, call.deadline)
+                gloo.wait(action.message.work, call.deadline)
             call.release(action.message)
         elif type(action) is Post:
             call.posting()

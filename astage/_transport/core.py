@@ -80,7 +80,7 @@ class Post:
 class Complete:
     """Wait until ``message`` (a :class:`Post`'s reply) has gone, or has landed."""
 
-    message: object
+    message: Any  # the driver's own kind of message: opaque here
     send: bool
 
 
@@ -116,7 +116,8 @@ Direction = Generator[Action, object, None]
 
 
 def advance(direction: Direction, reply: object) -> Action | None:
-    """The direction's next action, given the reply to its last one; ``None`` once it is done."""
+    """The direction's next action, given the reply to its last one; ``None`` once it is done
+    (a ``StopIteration`` from a driver's own work is not taken for the direction's end)."""
     try:
         return direction.send(reply)
     except StopIteration:

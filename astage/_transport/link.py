@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import cast
 
 import anyio
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from .core import Action, Call, Complete, Direction, Expect, Hand, Pack, Post, a
 from .gloo import GlooWire
 from .nccl import NcclWire
 from .protocol import wire_kind
-from .wire import Message, Route, Wire
+from .wire import Route, Wire
 
 log = logging.getLogger("astage.transport")
 
@@ -104,7 +103,7 @@ class Link:
         # The common actions first, by type (a ``match`` costs a microsecond more a message).
         if type(action) is Complete:
             with call.translating(send=action.send):
-                await cast(Message, action.message).complete()
+                await action.message.complete()
             call.release(action.message)
         elif type(action) is Post:
             call.posting()
