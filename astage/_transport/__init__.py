@@ -86,16 +86,22 @@ ring exchange is), unless the group was initialised with ``device_id``, which cr
 communicator up front.  In a group of one rank, NCCL may loop back (``send_to == recv_from
 == 0``): one GPU runs the whole path that way.  Other backends are refused.
 
-The package, one module per concept (only :mod:`._nccl` needs a GPU to run):
+The package, one module per concept (only :mod:`.nccl` needs a GPU to run):
 
-* :mod:`._protocol`: the wire format and pure decisions (payload, preamble, chunk plan,
+* :mod:`.protocol`: the wire format and pure decisions (payload, preamble, chunk plan,
   acknowledgement, peers, which wire); no I/O.
-* :mod:`._pairing`: the order of NCCL launches; pure.
-* :mod:`._wire`: what a backend's wire provides (post, complete, break the group).
-* :mod:`._gloo`: the gloo wire.
-* :mod:`._nccl`: the NCCL wire (device bounce buffers, side streams, paired launches).
-* :mod:`._link`: one call's state: deadline, pending messages, progress, breaking the group.
-* :mod:`._exchange`: the calls (exchange, send, recv, acknowledgements) and their directions.
+* :mod:`.pairing`: the order of NCCL launches; pure.
+* :mod:`.core`: the protocol core, sans I/O: one call's state (deadline, progress, pending
+  messages, outcome, when to break the group) and its directions as generators of actions
+  (post, complete, expect, pack, hand to a hook), which both drivers run.
+* :mod:`.wire`: what a backend's wire provides to the awaiting driver (post, complete,
+  break the group).
+* :mod:`.gloo`: gloo's post, wait and break (both drivers), and the gloo wire.
+* :mod:`.nccl`: the NCCL wire (device bounce buffers, side streams, paired launches).
+* :mod:`.link`: the awaiting driver: the core's actions on the event loop, under the
+  deadline, breaking the group on failure.
+* :mod:`.exchange`: the async calls (exchange, send, recv, acknowledgements).
+* :mod:`.blocking`: the blocking driver and its calls (gloo, on a save's worker thread).
 """
 
 from .exchange import exchange, exchange_ack, recv, recv_ack, send, send_ack

@@ -1,12 +1,12 @@
-"""The gloo calls on the calling thread: an exchange that needs no event loop.
+"""The blocking driver: the gloo calls on the calling thread, with no event loop.
 
 A Checkpointer runs a save's background half in a worker thread of its own, so that it
 progresses while the program holds the event loop (a synchronous training step); the
 replication exchange is part of that half, and the peer's loop may be held as well.  The
-async calls (:mod:`._exchange`) hand every message's wait to a worker thread and back to
-the loop; these run the same protocol (:mod:`._protocol`: preamble, prefix, body chunks on
-the same grid, the same tags, acknowledgements both ways at once) with blocking gloo waits:
-the receiving direction on the calling thread, the sending one on a daemon thread.
+async calls (:mod:`.exchange`) await each action of the protocol core (:mod:`.core`) on the
+loop; these perform the same actions, so the same messages go on the wire in the same order,
+with blocking gloo waits: the receiving direction on the calling thread, the sending one on
+a daemon thread.
 
 Invariants (as the async calls'):
 
@@ -18,51 +18,36 @@ Invariants (as the async calls'):
   does the same from another thread (the save was abandoned).
 * Buffers are reused or released only once the call has returned: every wait has ended.
 
-Gloo only: NCCL's completions are polled from the loop (:mod:`._nccl`).
+Gloo only: NCCL's completions are polled from the loop (:mod:`.nccl`).
 """
 
 from __future__ import annotations
 
-import re
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .._util.errors import ConfigurationError, PeerReportedError, PeerTimeoutError, TransportError
+from .._util.errors import ConfigurationError
 from .._util.timeslice import drive
-from .exchange import PackBuffers, _allocate_body, _pack, direct_tensor
-from .protocol import (
-    ACK_BYTES,
-    ACK_TAG,
-    BODY_TAG,
-    BREAK_TAG,
-    MAX_PREFIX_BYTES,
-    PREAMBLE_TAG,
-    PREAMBLE_WORDS,
-    PREFIX_TAG,
-    ChunkPlan,
-    Limits,
-    Payload,
-    check_preamble,
-    decode_ack,
-    encode_ack,
-    plan_chunks,
-    preamble_words,
-    wire_kind,
+from . import gloo
+from .core import (
+    Action,
+    Call,
+    Complete,
+    Direction,
+    Hand,
+    Pack,
+    Post,
+    advance,
+    pack,
+    receiving,
+    receiving_ack,
+    sending,
+    sending_ack,
 )
-
-_WINDOW = 4
-"""Chunks posted ahead of the one being waited for, per direction (as the gloo wire)."""
-
-
-def _host_buffer(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
-
+from .protocol import MAX_PREFIX_BYTES, Limits, Payload, plan_chunks, wire_kind
 
 OnPrefixSync = Callable[[bytes], None]
 OnChunkSync = Callable[[int, torch.Tensor], None]
@@ -77,7 +62,7 @@ def supports(pg: dist.ProcessGroup | None) -> bool:
 
 
 class BlockingLink:
-    """One blocking call's view of the group: peers, deadline, progress and breakage."""
+    """One blocking call's view of the group (:class:`~.core.Call`), driven on threads."""
 
     def __init__(
         self,
@@ -88,172 +73,60 @@ class BlockingLink:
         recv_from: int | None = None,
         on_posted: Callable[[], None] | None = None,
     ) -> None:
-        self.pg = pg
-        self.rank = dist.get_rank(pg)
-        self.deadline = deadline  # time.monotonic()
-        self.send_to = send_to
-        self.recv_from = recv_from
-        self.on_posted = on_posted
-        self.posted = False
-        self.broken = False
-        self.interrupted = False
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.prefix = b""
-        self.body: torch.Tensor | None = None
-        self.peer_failure: str | None = None
-
-    def _posting(self) -> None:
-        with self._lock:
-            if self.interrupted:
-                raise TransportError(
-                    f"rank {self.rank}: the exchange was interrupted (its save was abandoned)"
-                )
-            first, self.posted = not self.posted, True
-        if first and self.on_posted is not None:
-            self.on_posted()
-
-    def post(self, tensor: torch.Tensor, tag: int, *, send: bool) -> dist.Work:
-        self._posting()
-        try:
-            if send:
-                work = dist.isend(tensor, group=self.pg, group_dst=self.send_to, tag=tag)
-            else:
-                work = dist.irecv(tensor, group=self.pg, group_src=self.recv_from, tag=tag)
-        except RuntimeError as exc:
-            raise self._translate(exc, send=send) from exc
-        if work is None:
-            raise ConfigurationError("this rank is not a member of the process group")
-        return work
-
-    def wait(self, work: dist.Work, *, send: bool) -> None:
-        """Wait for ``work`` until the deadline (a zero timedelta means none to c10d: >= 1 ms)."""
-        remaining = max(self.deadline - time.monotonic(), 1e-3)
-        try:
-            done = work.wait(timedelta(seconds=remaining))
-        except RuntimeError as exc:
-            raise self._translate(exc, send=send) from exc
-        if not done:
-            raise self._translate(RuntimeError("the backend aborted the operation"), send=send)
+        self.call = Call(pg, dist.get_rank(pg), (send_to, recv_from), deadline, on_posted)
 
     def interrupt(self) -> None:
         """Break the group if this call has posted anything (any thread): every pending
         wait fails at once, here and at the peers."""
-        with self._lock:
-            self.interrupted = True
-            if not self.posted or self.broken:
-                return
-            self.broken = True
-        peer = self.recv_from if self.recv_from is not None else self.send_to
-        probe = torch.empty(1, dtype=torch.uint8)
-        try:
-            work = dist.irecv(probe, group=self.pg, group_src=peer, tag=BREAK_TAG)
-            if work is not None:
-                work.wait(timedelta(milliseconds=1))
-        except (RuntimeError, ValueError):
-            pass  # the expected timeout, or a group already broken or destroyed
+        call = self.call
+        if call.claim_break():
+            gloo.break_group(call.pg, call.any_peer)
+            call.broke()
 
-    def _translate(self, exc: RuntimeError, *, send: bool) -> TransportError:
-        what = f"rank {self.rank}: " + (
-            f"sending to rank {self.send_to}" if send else f"receiving from rank {self.recv_from}"
-        )
-        text = str(exc).strip()
-        text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else type(exc).__name__
-        if "timed out" in text.lower():
-            return PeerTimeoutError(f"{what}: {text}")
-        return TransportError(f"{what}: {text}")
-
-    def run(self, *directions: Callable[[], None]) -> None:
+    def run(self, *directions: Direction) -> None:
         """Run the directions at once (the first here, the others on daemon threads); break
         the group and raise the first error if one fails."""
-        errors: list[BaseException] = []
-
-        def guarded(direction: Callable[[], None]) -> None:
-            try:
-                direction()
-            except BaseException as exc:
-                errors.append(exc)
-                self.interrupt()  # the other direction's waits fail at once
-
         helpers = [
-            threading.Thread(target=guarded, args=(d,), name="astage transport", daemon=True)
+            threading.Thread(target=self._guarded, args=(d,), name="astage transport", daemon=True)
             for d in directions[1:]
         ]
         for helper in helpers:
             helper.start()
-        guarded(directions[0])
+        self._guarded(directions[0])
         for helper in helpers:
             helper.join()
-        if errors:
+        if self.call.failures:
             self.interrupt()
-            raise errors[0]
+            self.call.raise_failure()
 
+    def _guarded(self, direction: Direction) -> None:
+        try:
+            reply: object = None
+            while (action := advance(direction, reply)) is not None:
+                reply = self._perform(action)
+        except BaseException as exc:
+            self.call.failed(exc)
+            self.interrupt()  # the other direction's waits fail at once
 
-def _send(link: BlockingLink, prefix: bytes, plan: ChunkPlan) -> None:
-    body_nbytes = sum(c.nbytes for c in plan.chunks)
-    preamble = torch.tensor(preamble_words(len(prefix), body_nbytes, plan.chunk_bytes), dtype=torch.int64)
-    inflight: deque[tuple[dist.Work, torch.Tensor, torch.Tensor | None]] = deque()
-    inflight.append((link.post(preamble, PREAMBLE_TAG, send=True), preamble, None))
-    if prefix:
-        blob = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-        inflight.append((link.post(blob, PREFIX_TAG, send=True), blob, None))
-        link.bytes_sent += len(prefix)
-    buffers = PackBuffers(_host_buffer, min(plan.chunk_bytes, body_nbytes))
-
-    def retire_oldest() -> None:
-        work, _, buffer = inflight.popleft()
-        link.wait(work, send=True)
-        buffers.give_back(buffer)
-
-    for chunk in plan.chunks:
-        buffer = None
-        tensor = direct_tensor(chunk)
-        if tensor is None:
-            while not buffers.ready:
-                retire_oldest()
-            buffer, tensor = buffers.take(chunk.nbytes)
-            _pack(chunk.parts, tensor)
-        while len(inflight) >= _WINDOW:
-            retire_oldest()
-        inflight.append((link.post(tensor, BODY_TAG, send=True), tensor, buffer))
-        link.bytes_sent += chunk.nbytes
-    while inflight:
-        retire_oldest()
-
-
-def _receive(
-    link: BlockingLink,
-    limits: Limits,
-    on_prefix: OnPrefixSync | None,
-    on_chunk: OnChunkSync | None,
-) -> None:
-    preamble = torch.zeros(PREAMBLE_WORDS, dtype=torch.int64)
-    link.wait(link.post(preamble, PREAMBLE_TAG, send=False), send=False)
-    assert link.recv_from is not None
-    prefix_len, body_nbytes, chunk_bytes = check_preamble(preamble.tolist(), link.recv_from, limits)
-    prefix = torch.empty(prefix_len, dtype=torch.uint8)
-    if prefix_len:
-        link.wait(link.post(prefix, PREFIX_TAG, send=False), send=False)
-        link.bytes_received += prefix_len
-    link.prefix = prefix.numpy().tobytes()
-    if on_prefix is not None:
-        on_prefix(link.prefix)
-    body = _allocate_body(limits.allocate, body_nbytes)
-    offsets = range(0, body_nbytes, chunk_bytes)
-    inflight: deque[dist.Work] = deque()
-    for offset in offsets[:_WINDOW]:
-        inflight.append(link.post(body[offset : offset + chunk_bytes], BODY_TAG, send=False))
-    for i, offset in enumerate(offsets):
-        link.wait(inflight.popleft(), send=False)
-        if i + _WINDOW < len(offsets):
-            ahead = offsets[i + _WINDOW]
-            inflight.append(link.post(body[ahead : ahead + chunk_bytes], BODY_TAG, send=False))
-        chunk = body[offset : offset + chunk_bytes]
-        link.bytes_received += chunk.numel()
-        if on_chunk is not None:
-            on_chunk(offset, chunk)
-    link.body = body
+    def _perform(self, action: Action) -> object:
+        """Perform one action; the reply its direction is sent back."""
+        call = self.call
+        if type(action) is Complete:
+            with call.translating(send=action.send):
+                gloo.wait(action.message.work, call.deadline)
+            call.release(action.message)
+        elif type(action) is Post:
+            call.posting()
+            with call.translating(send=action.send):
+                posted = gloo.post(
+                    call.pg, call.peer(send=action.send), action.tensor, action.tag, send=action.send
+                )
+            return call.hold(posted)
+        elif type(action) is Hand:
+            action.hook(*action.args)
+        elif type(action) is Pack:
+            pack(action.parts, action.out)
+        return None  # Expect: gloo's tags keep messages apart, there is no launch order
 
 
 def exchange(
@@ -271,14 +144,15 @@ def exchange(
     :returns: the peer's prefix and body.
     :raises: as :func:`astage._transport.exchange`.
     """
+    call = link.call
     plan = drive(plan_chunks(payload.segments, payload.body_nbytes, chunk_bytes))
-    limits = Limits(max_body_bytes, MAX_PREFIX_BYTES, allocate, None, None)
+    limits = Limits(max_body_bytes, MAX_PREFIX_BYTES, allocate, on_prefix, on_chunk)
     link.run(
-        lambda: _receive(link, limits, on_prefix, on_chunk),
-        lambda: _send(link, payload.prefix, plan),
+        receiving(call, limits, gloo.WINDOW),
+        sending(call, payload.prefix, plan, gloo.WINDOW, gloo.host_buffer),
     )
-    assert link.body is not None
-    return link.prefix, link.body
+    assert call.body is not None
+    return call.prefix, call.body
 
 
 def exchange_ack(link: BlockingLink, ok: bool, message: str = "") -> None:
@@ -287,17 +161,5 @@ def exchange_ack(link: BlockingLink, ok: bool, message: str = "") -> None:
 
     :raises PeerReportedError: the holder reports failure; the group is still healthy.
     """
-    sent = torch.frombuffer(encode_ack(ok, message), dtype=torch.uint8)
-    heard = torch.zeros(ACK_BYTES, dtype=torch.uint8)
-
-    def send() -> None:
-        link.wait(link.post(sent, ACK_TAG, send=True), send=True)
-
-    def receive() -> None:
-        link.wait(link.post(heard, ACK_TAG, send=False), send=False)
-        assert link.recv_from is not None
-        link.peer_failure = decode_ack(heard.numpy().tobytes(), link.recv_from)
-
-    link.run(receive, send)
-    if link.peer_failure is not None:
-        raise PeerReportedError(link.peer_failure)
+    link.run(receiving_ack(link.call), sending_ack(ok, message))
+    link.call.raise_peer_failure()

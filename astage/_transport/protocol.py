@@ -382,13 +382,17 @@ def _nonempty_segments(
 
 @dataclass(frozen=True)
 class Limits:
-    """How the receiving side checks, places and hands on what arrives."""
+    """How the receiving side checks, places and hands on what arrives.
+
+    The hooks are awaited (:data:`OnPrefix`, :data:`OnChunk`) by the async calls, called by
+    the blocking ones: whoever drives the call says which.
+    """
 
     max_body_bytes: int
     max_prefix_bytes: int
     allocate: Allocate | None
-    on_prefix: OnPrefix | None
-    on_chunk: OnChunk | None
+    on_prefix: Callable[[bytes], object] | None
+    on_chunk: Callable[[int, torch.Tensor], object] | None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prefix_bytes"):
