@@ -13,12 +13,21 @@ from ._checkpointer.checkpointer import Replicator as Replicator
 from ._checkpointer.checkpointer import SaveEvent as SaveEvent
 from ._checkpointer.checkpointer import SaveHandle as SaveHandle
 from ._checkpointer.checkpointer import SaveStats as SaveStats
+from ._checkpointer.remote_tier import UploadStats as UploadStats
 from ._files.durable import CheckpointFileInfo as CheckpointFileInfo
 from ._files.durable import find_replicas as find_replicas
 from ._files.durable import inspect_checkpoint_file as inspect_checkpoint_file
 from ._files.durable import load_checkpoint_file as load_checkpoint_file
 from ._files.durable import load_checkpoint_file_sync as load_checkpoint_file_sync
 from ._files.durable import sweep_stale_temps as sweep_stale_temps
+from ._files.policies import Policy as Policy
+from ._files.policies import StepInfo as StepInfo
+from ._files.policies import best as best
+from ._files.policies import every_seconds as every_seconds
+from ._files.policies import every_steps as every_steps
+from ._files.policies import keep_if as keep_if
+from ._files.policies import latest as latest
+from ._remote.config import Remote as Remote
 from ._replication.stager import ReplicationPhase as ReplicationPhase
 from ._replication.stager import ReplicationResult as ReplicationResult
 from ._replication.stager import ReplicationStager as ReplicationStager
@@ -39,6 +48,7 @@ from ._util.errors import IntegrityError as IntegrityError
 from ._util.errors import PeerReportedError as PeerReportedError
 from ._util.errors import PeerTimeoutError as PeerTimeoutError
 from ._util.errors import PersistError as PersistError
+from ._util.errors import RemoteError as RemoteError
 from ._util.errors import ResourceError as ResourceError
 from ._util.errors import TransportError as TransportError
 from ._util.errors import UnsupportedInputError as UnsupportedInputError
@@ -82,7 +92,10 @@ __all__ = [
     "PeerReportedError",
     "PeerTimeoutError",
     "PersistError",
+    "Policy",
     "PoolStats",
+    "Remote",
+    "RemoteError",
     "ReplicaSource",
     "ReplicationPhase",
     "ReplicationResult",
@@ -95,11 +108,18 @@ __all__ = [
     "SaveStats",
     "StageStats",
     "StagingOptions",
+    "StepInfo",
     "TransportError",
     "UnsupportedInputError",
+    "UploadStats",
     "__version__",
+    "best",
+    "every_seconds",
+    "every_steps",
     "find_replicas",
     "inspect_checkpoint_file",
+    "keep_if",
+    "latest",
     "load_checkpoint_file",
     "load_checkpoint_file_sync",
     "sweep_stale_temps",

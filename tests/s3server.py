@@ -108,7 +108,6 @@ class SeaweedS3:
             "access_key_id": ACCESS_KEY,
             "secret_access_key": SECRET_KEY,
             "region": "us-east-1",
-            "allow_http": True,
         }
         options.update(overrides)
         return options

@@ -11,7 +11,7 @@ from tests.s3server import SeaweedS3
 def _store(server: SeaweedS3, bucket: str) -> S3Store:
     options = server.options()
     endpoint = options.pop("endpoint")
-    return S3Store(bucket, endpoint=endpoint, **options)
+    return S3Store(bucket, endpoint=endpoint, client_options={"allow_http": True}, **options)
 
 
 def test_server_keeps_objects_across_a_crash(s3_server: SeaweedS3) -> None:

@@ -54,14 +54,19 @@ import anyio.abc
 from .._files.directory import open_and_lock, open_step_dir, rank_file_names, step_dir_name, step_dir_opener
 from .._files.durable import blocking_io, load_checkpoint_file
 from .._files.markers import Marker
+from .._files.policies import Policy
 from .._files.retention import Retention, scan
 from .._format.codec import FileHeader
+from .._remote.config import Remote, as_remote
+from .._remote.layout import check_metrics
 from .._staging.stager import AsyncStager, DefaultStager, StageStats
 from .._util.errors import (
     AstageError,
     ClosedError,
     ConfigurationError,
+    IntegrityError,
     PersistError,
+    RemoteError,
     ResourceError,
 )
 from .._util.frames import drop_frames
@@ -70,6 +75,7 @@ from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .._util.resource import AsyncResource
 from .._util.validate import check_path
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
+from .remote_tier import RemoteTier, UploadStats
 from .save_pipeline import EventKind, Job, Persister
 
 log = logging.getLogger("astage.checkpointer")
@@ -175,8 +181,9 @@ class SaveHandle:
     :ivar staging_seconds: how long ``save()`` kept the caller.
     """
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, remote: RemoteTier | None = None) -> None:
         self._job = job
+        self._remote = remote
         self.step = job.step
         self.checkpoint_id = job.checkpoint_id
         self.staging_seconds = job.staging_seconds
@@ -212,6 +219,18 @@ class SaveHandle:
             raise self._job.error
         return self._job.stats
 
+    async def uploaded(self) -> UploadStats | None:
+        """Wait until this save is committed and uploaded to the remote tier.
+
+        :returns: the upload's stats, once this rank's commit object is durable on the
+            store; ``None`` without a remote tier or if the step was not picked for upload
+            (``Remote(every=...)``).
+        :raises PersistError: the save failed (nothing to upload).
+        :raises RemoteError: the upload failed (names the step).
+        """
+        await self.wait()
+        return None if self._remote is None else await self._remote.wait(self.step)
+
     def __repr__(self) -> str:
         state = "committed" if self.stats else ("failed" if self.done else "in flight")
         return f"<SaveHandle step={self.step} {state}>"
@@ -220,7 +239,7 @@ class SaveHandle:
 def _check_arguments(
     stager: AsyncStager | None,
     replication: Replicator | None,
-    keep: int | None,
+    keep: int | Policy | None,
     max_in_flight: int,
     rank: int,
     on_progress: Callable[[SaveEvent], object] | None,
@@ -240,8 +259,8 @@ def _check_arguments(
             raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
     if rank >= _RANK_LIMIT:
         raise ConfigurationError(f"rank must be below 2**31, got {rank}")
-    if keep is not None and (type(keep) is not int or keep < 1):
-        raise ConfigurationError(f"keep must be an int >= 1 or None, got {keep!r}")
+    if keep is not None and not isinstance(keep, Policy) and (type(keep) is not int or keep < 1):
+        raise ConfigurationError(f"keep must be an int >= 1, a retention policy or None, got {keep!r}")
     if replication is not None and not isinstance(replication, Replicator):
         raise ConfigurationError(
             f"replication must have an async replicate_staged() method, got {type(replication).__name__}"
@@ -304,6 +323,9 @@ class Checkpointer(AsyncResource):
     :param fallback_dirs: directories holding replicas (``*.astage``) that
         :meth:`restore` may use when the local copy is missing or corrupt.
     :param threads: worker threads for encoding and file I/O.
+    :param remote: the remote tier, an object store (a :class:`~astage.Remote` or a URL):
+        committed steps are uploaded in the background and :meth:`restore` falls back to
+        it (see the remote guide).  ``keep`` is then the local tier's retention policy.
     :raises ConfigurationError: an argument is out of range.
     """
 
@@ -313,12 +335,13 @@ class Checkpointer(AsyncResource):
         *,
         stager: AsyncStager | None = None,
         replication: Replicator | None = None,
-        keep: int | None = 3,
+        keep: int | Policy | None = 3,
         max_in_flight: int = 1,
         rank: int = 0,
         on_progress: Callable[[SaveEvent], object] | None = None,
         fallback_dirs: Iterable[str | os.PathLike[str]] = (),
         threads: int = 2,
+        remote: Remote | str | None = None,
     ) -> None:
         fallbacks = _check_arguments(
             stager, replication, keep, max_in_flight, rank, on_progress, fallback_dirs, threads
@@ -334,6 +357,9 @@ class Checkpointer(AsyncResource):
         self._on_progress = on_progress
         self._fallback_dirs = fallbacks
         self._threads = threads
+        self._remote = as_remote(remote)
+        self._remote_tier: RemoteTier | None = None
+        self._metrics: dict[int, dict[str, float]] = {}
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._committed: dict[int, Marker] = {}
         self._reserved: set[int] = set()  # steps between the start of save() and their end
@@ -365,13 +391,16 @@ class Checkpointer(AsyncResource):
         if self._state != "new":
             raise ClosedError("a Checkpointer can be entered only once")
         self._limiter = anyio.CapacityLimiter(self._threads)
-        self._dir_fd, self._lock_fd = await blocking_io(
+        self._dir_fd, self._lock_fd = dir_fd, _ = await blocking_io(
             open_and_lock, self._directory, self._rank, limiter=self._limiter
         )
         try:
             self._committed = await blocking_io(
                 scan, self._directory, self._dir_fd, self._rank, limiter=self._limiter
             )
+            if self._remote is not None:  # a wrong URL, bucket or credential fails here, not later
+                tier = RemoteTier(self._remote, self._directory, self._rank, dir_fd, self._limiter)
+                await tier.check()
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
         except BaseException as exc:
@@ -392,6 +421,9 @@ class Checkpointer(AsyncResource):
             self._limiter,
             self._emit,
         )
+        if self._remote is not None:
+            self._remote_tier = tier
+            tier.start(task_group)
         self._state = "open"
         log.debug("opened %s for rank %d: committed steps %s", self._directory, self._rank, self.steps())
 
@@ -433,7 +465,11 @@ class Checkpointer(AsyncResource):
                 await self.wait()
             else:
                 await self._drain()
+            if report and self._remote_tier is not None:
+                await self._remote_tier.drain()  # uploads of committed steps finish too
         finally:
+            if self._remote_tier is not None:
+                self._remote_tier.close()
             if not self.closed:  # a concurrent aclose() may have finished
                 with anyio.CancelScope(shield=True):
                     if self._owns_stager:
@@ -502,8 +538,13 @@ class Checkpointer(AsyncResource):
 
     # -- saving --------------------------------------------------------------------------
 
-    async def save(self, step: int, state_dict: Any) -> SaveHandle:
+    async def save(
+        self, step: int, state_dict: Any, *, metrics: dict[str, float] | None = None
+    ) -> SaveHandle:
         """Stage ``state_dict`` and return; writing, replication and the commit go on.
+
+        ``metrics`` (short names to numbers, e.g. ``{"loss": 0.31}``) are what a ``best``
+        retention policy ranks steps by; they travel in the step's remote commit object.
 
         Waits first while ``max_in_flight`` saves are persisting.  Once this returns, the
         caller may change its tensors: the checkpoint holds the state as of this call.
@@ -523,6 +564,10 @@ class Checkpointer(AsyncResource):
         task_group = self._check_open("save")
         self._raise_unreported()
         _check_step(step)
+        try:
+            checked_metrics = check_metrics(metrics)
+        except IntegrityError as exc:
+            raise ConfigurationError(f"save(metrics=...): {exc}") from None
         if step in self._reserved or step in self._committed:
             state = "being saved" if step in self._reserved else "committed"
             raise ConfigurationError(f"step {step} is already {state} in {self._directory}")
@@ -542,8 +587,10 @@ class Checkpointer(AsyncResource):
         finally:
             if not handed_off:
                 self._unreserve(step)
+        if checked_metrics:
+            self._metrics[step] = checked_metrics
         self._emit("staged", job)
-        return SaveHandle(job)
+        return SaveHandle(job, self._remote_tier)
 
     async def _stage(self, step: int, state_dict: Any, started: float) -> Job:
         """Stage ``state_dict`` and lay it out: the part of a save its caller waits for."""
@@ -737,6 +784,8 @@ class Checkpointer(AsyncResource):
             durable_at=job.durable_at,
         )
         self.last_stats = job.stats
+        if self._remote_tier is not None:
+            self._remote_tier.committed(job.step, marker, self._metrics.get(job.step, {}), force=job.upload)
         log.info(
             "committed step %d: %d bytes, caller blocked %.4fs, persisted in %.4fs (%.2f GB/s)",
             job.step,
@@ -753,7 +802,12 @@ class Checkpointer(AsyncResource):
             self._retiring = anyio.Lock()
         assert self._dir_fd is not None
         async with self._retiring:
-            await self._retention.retire(self._committed, just_committed, self._dir_fd, self._limiter)
+            pinned = self._remote_tier.pinned() if self._remote_tier is not None else ()
+            await self._retention.retire(
+                self._committed, just_committed, self._dir_fd, self._limiter, pinned, self._metrics
+            )
+            for step in set(self._metrics) - set(self._committed) - self._reserved:
+                del self._metrics[step]
 
     def _fail(self, job: Job, exc: Exception) -> None:
         drop_frames(exc)
@@ -837,16 +891,92 @@ class Checkpointer(AsyncResource):
                 )
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
+        if self._remote_tier is not None:
+            return await self._restore_tiers(None if step is None else _check_step(step), progress)
         if step is None:
             step = self.latest()
             if step is None:
                 raise ResourceError(f"no committed checkpoint of rank {self._rank} in {self._directory}")
-        _check_step(step)
+        return await self._restore_one(_check_step(step), progress)
+
+    async def _restore_one(self, step: int, progress: ReadProgress) -> Any:
+        """``step`` from this rank's own file, else a replica (see :func:`restore_local`)."""
         fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
         places = ReplicaPlaces(fetch, self._fallback_dirs, self._limiter)
         load_own = functools.partial(self._load_local, step, on_read=progress.advance)
         marker = self._committed.get(step)
         return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places, progress)
+
+    async def _restore_tiers(self, step: int | None, progress: ReadProgress) -> Any:
+        """``step`` (default: the newest any tier has) from the local tier, else healed from
+        the store; a copy that fails its checks is never returned: the next tier, or (for
+        the newest) the next older step, is tried."""
+        tier = self._remote_tier
+        assert tier is not None
+        try:
+            remote = await tier.complete_steps()
+        except RemoteError as exc:
+            log.warning("cannot list the remote tier, restoring from the local one only: %s", exc)
+            remote = {}
+        candidates = [step] if step is not None else sorted(set(self._committed) | set(remote), reverse=True)
+        problems: list[Exception] = []
+        for candidate in candidates:
+            if candidate in self._committed or candidate not in remote:
+                try:
+                    return await self._restore_one(candidate, progress)
+                except (ResourceError, IntegrityError) as exc:
+                    problems.append(exc)
+            if candidate in remote:
+                self._committed.pop(candidate, None)  # its local marker goes first (heal)
+                try:
+                    self._committed[candidate] = await tier.heal(remote[candidate][self._rank])
+                    return await self._restore_one(candidate, progress)
+                except (IntegrityError, RemoteError, OSError) as exc:
+                    log.warning("step %d from the remote tier is unusable: %s", candidate, exc)
+                    problems.append(exc)
+        where = f"{self._directory} or on {tier.client.url}"
+        if all(isinstance(p, ResourceError) for p in problems):
+            raise ResourceError(f"no checkpoint of rank {self._rank} (step {step}) in {where}")
+        text = "; ".join(str(p) for p in problems)
+        raise IntegrityError(f"cannot restore rank {self._rank} from any tier ({where}): {text}")
+
+    async def wait_uploaded(self, step: int) -> UploadStats | None:
+        """Wait until ``step`` (saved before) is committed and on the remote tier.
+
+        :returns: its upload's stats (this rank's commit object is durable on the store);
+            ``None`` if the step was not picked for upload (``Remote(every=...)``).
+        :raises ConfigurationError: there is no remote tier.
+        :raises RemoteError: the upload failed.
+        """
+        self._check_open("wait_uploaded")
+        if self._remote_tier is None:
+            raise ConfigurationError("wait_uploaded() needs Checkpointer(remote=...)")
+        job = self._jobs.get(_check_step(step))
+        if job is not None:
+            await job.done.wait()
+        return await self._remote_tier.wait(step)
+
+    async def save_now_and_upload(
+        self, step: int, state_dict: Any, *, deadline: float, metrics: dict[str, float] | None = None
+    ) -> UploadStats:
+        """Save ``step`` now and wait until it is on the store: the save for a preemption
+        notice (SIGTERM).  The step is uploaded whatever ``Remote(every=...)`` says, after
+        the uploads queued before it.
+
+        :param deadline: seconds from now for the whole of it (staging, commit, upload).
+        :raises TimeoutError: the deadline passed first (the save and upload go on).
+        :raises ConfigurationError: there is no remote tier.
+        :raises PersistError: the save failed.
+        :raises RemoteError: the upload failed.
+        """
+        if self._remote_tier is None:
+            raise ConfigurationError("save_now_and_upload() needs Checkpointer(remote=...)")
+        with anyio.fail_after(deadline):
+            handle = await self.save(step, state_dict, metrics=metrics)
+            handle._job.upload = True
+            stats = await handle.uploaded()
+        assert stats is not None
+        return stats
 
     async def _load_local(
         self,
