@@ -886,6 +886,8 @@ class Checkpointer(AsyncResource):
             if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
                 from .collective_restore import collective_restore
 
+                if self._remote_tier is not None:  # the store's steps become local ones first
+                    await self._heal_from_remote(None if step is None else _check_step(step))
                 return await collective_restore(
                     self, self._replication, None if step is None else _check_step(step), progress
                 )
@@ -939,6 +941,28 @@ class Checkpointer(AsyncResource):
             raise ResourceError(f"no checkpoint of rank {self._rank} (step {step}) in {where}")
         text = "; ".join(str(p) for p in problems)
         raise IntegrityError(f"cannot restore rank {self._rank} from any tier ({where}): {text}")
+
+    async def _heal_from_remote(self, step: int | None) -> None:
+        """Before a collective restore: download (verified) and commit locally ``step`` (or
+        the newest step complete on the store) if this rank lacks it, so that the ranks'
+        agreement counts the store as one of their tiers.  Failures are logged: the
+        collective restore then finds the step on a peer, or agrees on an older one."""
+        tier = self._remote_tier
+        assert tier is not None
+        try:
+            remote = await tier.complete_steps()
+        except RemoteError as exc:
+            log.warning("cannot list the remote tier, restoring from the local one only: %s", exc)
+            return
+        wanted = step if step is not None else max(remote, default=None)
+        if wanted is None or wanted in self._committed or wanted not in remote:
+            return
+        if step is None and wanted < (self.latest() or -1):
+            return  # this rank's disk has newer: the agreement decides
+        try:
+            self._committed[wanted] = await tier.heal(remote[wanted][self._rank])
+        except (IntegrityError, RemoteError, OSError) as exc:
+            log.warning("step %d from the remote tier is unusable: %s", wanted, exc)
 
     async def wait_uploaded(self, step: int) -> UploadStats | None:
         """Wait until ``step`` (saved before) is committed and on the remote tier.

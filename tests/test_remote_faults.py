@@ -1,0 +1,176 @@
+"""Faults on the way to the store: 503s, resets, a slow store, a store that stays down, the
+server killed mid-upload and restarted, a rank SIGKILLed during its upload, hostile keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import obstore
+import pytest
+
+import astage
+from astage._remote.layout import commit_key, data_key, group_listing, parse_key
+from tests.distributed import kill_self, run_group
+from tests.faultproxy import FaultProxy, fault_proxy
+from tests.s3server import SeaweedS3
+from tests.test_remote_tier import assert_state, state
+
+pytestmark = pytest.mark.anyio
+
+_BIG = 4_000_000  # elements: a 48 MB checkpoint, ten 5 MiB parts
+
+
+def proxied(server: SeaweedS3, proxy: FaultProxy, bucket: str, **kwargs: Any) -> astage.Remote:
+    return astage.Remote(
+        f"s3://{bucket}/run",
+        options=server.options(endpoint=proxy.endpoint),
+        client_options={"allow_http": True},
+        chunk_nbytes=5 << 20,
+        max_concurrency=2,
+        **kwargs,
+    )
+
+
+async def test_503s_and_a_reset_mid_upload_are_retried(s3_server: SeaweedS3, tmp_path: Path) -> None:
+    bucket = s3_server.new_bucket()
+    with fault_proxy(s3_server.ports["s3"]) as proxy:
+        remote = proxied(s3_server, proxy, bucket, attempts=8)
+        async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+            proxy.fail_connections = 3
+            proxy.reset_after = 12 << 20
+            stats = await (await ckpt.save(1, state(1, _BIG))).uploaded()
+            assert stats is not None
+            assert proxy.injected >= 2  # the 503s and the reset happened, and were survived
+        async with astage.Checkpointer(tmp_path / "fresh", remote=proxied(s3_server, proxy, bucket)) as ckpt:
+            proxy.delay = 0.001  # a slow store is only slower
+            assert_state(await ckpt.restore(), 1, _BIG)
+
+
+async def test_a_store_that_stays_down_fails_the_upload_not_the_save(
+    s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    bucket = s3_server.new_bucket()
+    with fault_proxy(s3_server.ports["s3"]) as proxy:
+        remote = proxied(s3_server, proxy, bucket, attempts=2, deadline=60.0)
+        async with astage.Checkpointer(tmp_path / "a", remote=remote, keep=1) as ckpt:
+            proxy.refuse = True
+            handle = await ckpt.save(1, state(1))
+            await handle.wait()  # committed locally all the same
+            with pytest.raises(astage.RemoteError, match=r"step 1|run/step_0000000001"):
+                await handle.uploaded()
+            assert ckpt.steps() == [1]
+            proxy.refuse = False
+            await (await ckpt.save(2, state(2))).uploaded()
+    store = astage.Remote(
+        f"s3://{bucket}/run", options=s3_server.options(), client_options={"allow_http": True}
+    ).client()
+    keys = {m["path"] for m in obstore.list(store.store).collect()}
+    assert commit_key(1, 0) not in keys  # never reported, never complete
+    assert commit_key(2, 0) in keys
+
+
+async def test_server_killed_mid_upload_and_restarted(s3_server: SeaweedS3, tmp_path: Path) -> None:
+    bucket = s3_server.new_bucket()
+    with fault_proxy(s3_server.ports["s3"]) as proxy:
+        remote = proxied(s3_server, proxy, bucket, attempts=10)
+        async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+            handle = await ckpt.save(7, state(7, _BIG))
+            await anyio.to_thread.run_sync(proxy.wait_uploaded, 10 << 20)
+            s3_server.kill()
+            await anyio.to_thread.run_sync(s3_server.start)
+            stats = await handle.uploaded()
+            assert stats is not None
+            assert stats.attempts >= 1
+    async with astage.Checkpointer(
+        tmp_path / "fresh",
+        remote=astage.Remote(
+            f"s3://{bucket}/run", options=s3_server.options(), client_options={"allow_http": True}
+        ),
+    ) as ckpt:
+        assert_state(await ckpt.restore(), 7, _BIG)
+
+
+def test_hostile_keys_in_a_listing_are_ignored() -> None:
+    good = [(data_key(3, 0), 10), (commit_key(3, 0), 5)]
+    hostile = [
+        ("../step_0000000009/rank00000.astage", 1),
+        ("/etc/passwd", 1),
+        ("step_0000000009/../rank00000.commit.json", 1),
+        ("step_0000000009/rank00000.commit.json/x", 1),
+        ("step_9/rank00000.commit.json", 1),
+        ("step_0000000009/rank0.commit.json", 1),
+        ("step_" + "9" * 10_000 + "/rank00000.commit.json", 1),
+        ("step_0000000009/" + "a" * 100_000, 1),
+        ("step_0000000009/rank00000.commit.json", -1),
+    ]
+    steps = group_listing(hostile + good)
+    assert list(steps) == [3]
+    assert steps[3].data == {0: 10}
+    assert steps[3].commits == {0: 5}
+    assert all(parse_key(k) is None for k, _ in hostile[:-1])
+
+
+async def test_hostile_objects_on_a_file_store_are_never_followed(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    remote = astage.Remote(store_dir.as_uri())
+    async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+        await (await ckpt.save(1, state(1))).uploaded()
+    outside = tmp_path / "outside.astage"
+    outside.write_bytes(b"secret")
+    (store_dir / "step_0000000005").mkdir()
+    (store_dir / "step_0000000005" / "rank00000.commit.json").write_text('{"format": "astage-remote-commit"}')
+    (store_dir / "step_0000000006").mkdir()
+    (store_dir / "step_0000000006" / "junk").write_text("x")
+    (store_dir / ("x" * 200)).write_text("x")
+    async with astage.Checkpointer(tmp_path / "fresh", remote=astage.Remote(store_dir.as_uri())) as ckpt:
+        assert_state(await ckpt.restore(), 1)
+    assert outside.read_bytes() == b"secret"
+
+
+async def _rank_saves_then_dies(rank: int, world_size: int, endpoint: str, bucket: str, root: str) -> str:
+    remote = astage.Remote(
+        f"s3://{bucket}/run",
+        options={
+            "endpoint": endpoint,
+            "access_key_id": "AKASTAGETEST",
+            "secret_access_key": "SKastageTestSecret0123456789",
+            "region": "us-east-1",
+        },
+        client_options={"allow_http": True},
+        chunk_nbytes=5 << 20,
+        world_size=world_size,
+    )
+    async with astage.Checkpointer(Path(root) / f"rank{rank}", rank=rank, remote=remote) as ckpt:
+        await (await ckpt.save(1, state(10 + rank, 500_000))).uploaded()
+        handle = await ckpt.save(2, state(20 + rank, 2_000_000))
+        if rank == 1:
+            await handle.wait()
+            kill_self()  # during (or before) its upload of step 2
+        await handle.uploaded()
+    return "done"
+
+
+async def test_a_rank_killed_during_its_upload_leaves_the_last_complete_step(
+    s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    bucket = s3_server.new_bucket()
+    results = await anyio.to_thread.run_sync(
+        lambda: run_group(2, _rank_saves_then_dies, s3_server.endpoint, bucket, str(tmp_path), timeout=120)
+    )
+    assert results[0].ok, results[0].traceback
+    assert results[1].killed
+    # New machines, empty disks: every rank gets step 1 (step 2 is incomplete), bit-exact.
+    for rank in (0, 1):
+        remote = astage.Remote(
+            f"s3://{bucket}/run",
+            options=s3_server.options(),
+            client_options={"allow_http": True},
+            world_size=2,
+        )
+        async with astage.Checkpointer(tmp_path / f"fresh{rank}", rank=rank, remote=remote) as ckpt:
+            got = await ckpt.restore()
+            assert_state(got, 10 + rank, 500_000)
+            with pytest.raises(astage.ResourceError):
+                await ckpt.restore(step=2)
