@@ -82,6 +82,10 @@ def _translate(exc: BaseException, url: str, operation: str, key: str) -> Remote
 def _store_config(remote: Remote) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The store's options, the HTTP client's and the retry config, defaults filled in."""
     client: dict[str, Any] = {"connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
+    # Passing client options replaces those the store would read from the environment:
+    # the one that matters for an S3-compatible store on plain http is read here again.
+    if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true") and remote.scheme in ("s3", "s3a"):
+        client["allow_http"] = True
     client.update(remote.client_options)
     retry: dict[str, Any] = {
         "max_retries": 4,
@@ -212,7 +216,7 @@ class RemoteClient:
         return int(crc[0])
 
     def download(
-        self, key: str, dir_fd: int, name: str, nbytes: int, crc: int, cancel: threading.Event
+        self, key: str, dir_fd: int, name: str, nbytes: int, crc: int | None, cancel: threading.Event
     ) -> None:
         """Download ``key`` into ``name`` in the directory ``dir_fd`` (closed here), durably.
 
@@ -243,10 +247,10 @@ class RemoteClient:
                 running = crc32c.crc32c(view, running)
                 while view:
                     view = view[os.write(fd, view) :]
-            if got != nbytes or running != crc:
+            if got != nbytes or (crc is not None and running != crc):
                 raise IntegrityError(
                     f"{key} on {self.url} does not match its commit object "
-                    f"({got} of {nbytes} bytes, crc32c {running:#010x} vs {crc:#010x})"
+                    f"({got} of {nbytes} bytes, crc32c {running:#010x} vs {crc})"
                 )
             os.fsync(fd)
             os.close(fd)
