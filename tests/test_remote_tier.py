@@ -153,3 +153,17 @@ async def test_local_retention_keeps_steps_waiting_for_upload(tmp_path: Path) ->
     store = remote.client().store
     keys = sorted(m["path"] for m in obstore.list(store).collect())
     assert keys == sorted([data_key(s, 0) for s in (3, 4)] + [commit_key(s, 0) for s in (3, 4)])
+
+
+async def test_a_prefix_owned_by_another_run_is_refused(s3_server: SeaweedS3, tmp_path: Path) -> None:
+    bucket = s3_server.new_bucket()
+    async with astage.Checkpointer(tmp_path / "a", remote=s3_remote(s3_server, bucket, run="job-1")) as ckpt:
+        await (await ckpt.save(1, state(1))).uploaded()
+    with pytest.raises(astage.RemoteError, match="another run"):
+        async with astage.Checkpointer(tmp_path / "b", remote=s3_remote(s3_server, bucket, run="job-2")):
+            pass
+    # The same run again (a restart) is welcome, and so is a reader that claims nothing.
+    async with astage.Checkpointer(tmp_path / "c", remote=s3_remote(s3_server, bucket, run="job-1")) as ckpt:
+        assert_state(await ckpt.restore(), 1)
+    async with astage.Checkpointer(tmp_path / "d", remote=s3_remote(s3_server, bucket)) as ckpt:
+        assert_state(await ckpt.restore(), 1)

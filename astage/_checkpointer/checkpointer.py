@@ -978,6 +978,9 @@ class Checkpointer(AsyncResource):
         job = self._jobs.get(_check_step(step))
         if job is not None:
             await job.done.wait()
+            if job.error is not None:
+                job.reported = True
+                raise job.error
         return await self._remote_tier.wait(step)
 
     async def save_now_and_upload(

@@ -22,6 +22,7 @@ the usual local restore then reads it, checking every checksum of the format aga
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -40,7 +41,15 @@ from .._files.markers import FileEntry, Marker
 from .._files.policies import StepInfo, retained
 from .._remote.client import RemoteClient, TransientRemoteError
 from .._remote.config import Remote
-from .._remote.layout import COMMIT_CAP, CommitObject, commit_key, data_key, group_listing, parse_commit
+from .._remote.layout import (
+    COMMIT_CAP,
+    RUN_KEY,
+    CommitObject,
+    commit_key,
+    data_key,
+    group_listing,
+    parse_commit,
+)
 from .._util.errors import AstageError, IntegrityError, RemoteError, ResourceError
 
 log = logging.getLogger("astage.remote")
@@ -121,6 +130,15 @@ class RemoteTier:
         :raises RemoteError: the store refuses the listing or cannot be reached.
         """
         await self._with_retries("list", "", self.client.listing)
+        if self.remote.run is not None:
+            mine = json.dumps({"format": "astage-run", "run": self.remote.run}).encode()
+            owner = await self._with_retries("claim", RUN_KEY, self.client.claim, RUN_KEY, mine, COMMIT_CAP)
+            if owner != mine:
+                shown = owner[:300].decode("utf-8", "replace")
+                raise RemoteError(
+                    f"{self.client.url} belongs to another run ({RUN_KEY}: {shown}), not to run "
+                    f"{self.remote.run!r}: use a prefix of its own"
+                )
 
     def start(self, task_group: anyio.abc.TaskGroup) -> None:
         """Start the uploading task in the Checkpointer's task group."""
@@ -219,7 +237,8 @@ class RemoteTier:
             attempts += 1
             fd = await blocking_io(self._open_local, step, limiter=self._limiter)
             try:
-                crc = await self.client.run("upload", key, self.client.upload_file, key, fd, entry.nbytes)
+                upload_file = self.client.upload_file
+                crc = await self.client.run("upload", key, upload_file, key, fd, entry.nbytes, owns=fd)
                 break
             except TransientRemoteError as exc:
                 if attempts >= self.remote.attempts:
@@ -342,9 +361,8 @@ class RemoteTier:
             await blocking_io(os.close, step_fd, limiter=self._limiter)
         key = data_key(step, self.rank)
         with anyio.fail_after(self.remote.deadline):
-            await self.client.run(
-                "download", key, self.client.download, key, dup, self._data_name, commit.nbytes, commit.crc32c
-            )
+            download, nbytes, crc = self.client.download, commit.nbytes, commit.crc32c
+            await self.client.run("download", key, download, key, dup, self._data_name, nbytes, crc, owns=dup)
         await blocking_io(os.fsync, self._dir_fd, limiter=self._limiter)
         entry = FileEntry(self._data_name, commit.nbytes, commit.storages_crc32c)
         marker = Marker(step, self.rank, commit.checkpoint_id, commit.created, (entry,))

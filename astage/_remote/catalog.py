@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 from rich.table import Table
 from rich.text import Text
 
@@ -65,10 +66,9 @@ async def _verify(client: RemoteClient, commits: dict[int, CommitObject], proble
             name = f"rank{rank:05d}.astage"
             try:
                 dup = os.dup(fd)
-                await client.run(
-                    "download", key, client.download, key, dup, name, commit.nbytes, commit.crc32c
-                )
-                load_checkpoint_file_sync(path / name)
+                nbytes, crc = commit.nbytes, commit.crc32c
+                await client.run("download", key, client.download, key, dup, name, nbytes, crc, owns=dup)
+                await anyio.to_thread.run_sync(load_checkpoint_file_sync, path / name)
             except (AstageError, OSError) as exc:
                 problems.append(f"{key}: {exc}")
             finally:
@@ -149,7 +149,7 @@ async def download_object(url: str, into: Path, quiet: bool = False) -> str:
         raise IntegrityError(f"{url}: no such object")
     fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     crc = None if commit is None else commit.crc32c
-    await client.run("download", key, client.download, key, fd, name, nbytes, crc)
+    await client.run("download", key, client.download, key, fd, name, nbytes, crc, owns=fd)
     if not quiet:
         checked = "checked against its commit object" if commit is not None else "no commit object"
         print(f"{url}: {nbytes} bytes downloaded ({checked})")

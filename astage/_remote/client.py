@@ -117,25 +117,37 @@ class RemoteClient:
         # A memory:// store lives in this process: a second limiter is not needed.
         self.limiter = anyio.CapacityLimiter(max(4, remote.max_concurrency))
 
-    async def run(self, operation: str, key: str, fn: Callable[..., T], *args: Any) -> T:
+    async def run(
+        self, operation: str, key: str, fn: Callable[..., T], *args: Any, owns: int | None = None
+    ) -> T:
         """Run the blocking ``fn(*args)`` in a worker thread; errors as :class:`RemoteError`.
 
-        Cancelled, the thread is abandoned (a transfer stops at its next chunk).
+        Cancelled, the thread is abandoned (a transfer stops at its next chunk).  ``owns``
+        is a descriptor ``fn`` closes: if ``fn`` never starts (cancelled while waiting for
+        a thread), it is closed here instead, exactly once either way.
         """
-        cancel = threading.Event()
+        claim = _Claim(owns)
         call = functools.partial(fn, *args)
         try:
             return await anyio.to_thread.run_sync(
-                _guarded, call, cancel, self.url, operation, key, limiter=self.limiter, abandon_on_cancel=True
+                _guarded, call, claim, self.url, operation, key, limiter=self.limiter, abandon_on_cancel=True
             )
         except BaseException:
-            cancel.set()
+            claim.abandon()
             raise
 
     # -- the blocking operations (each in a worker thread, through run) --------------------
 
     def put_bytes(self, key: str, data: bytes, cancel: threading.Event) -> None:
         obstore.put(self.store, key, data, use_multipart=False)
+
+    def claim(self, key: str, data: bytes, cap: int, cancel: threading.Event) -> bytes:
+        """Create ``key`` with ``data`` unless it exists; what it holds afterwards."""
+        try:
+            obstore.put(self.store, key, data, mode="create")
+            return data
+        except (obx.AlreadyExistsError, obx.PreconditionError):
+            return self.get_bytes(key, cap, cancel)
 
     def get_bytes(self, key: str, cap: int, cancel: threading.Event) -> bytes:
         """The object at ``key`` if it is at most ``cap`` bytes.
@@ -267,11 +279,37 @@ class RemoteClient:
             os.close(dir_fd)
 
 
-def _guarded(
-    call: Callable[[threading.Event], T], cancel: threading.Event, url: str, operation: str, key: str
-) -> T:
+class _Claim:
+    """Who closes a descriptor handed to a worker: the worker once it starts, else the caller."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.cancel = threading.Event()
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._state = "pending"
+
+    def start(self) -> bool:
+        """In the worker: whether to run (the caller has not given up first)."""
+        with self._lock:
+            if self._state == "closed":
+                return False
+            self._state = "running"
+            return True
+
+    def abandon(self) -> None:
+        """In the caller, once it gave up: stop the worker, or close what it never took."""
+        self.cancel.set()
+        with self._lock:
+            if self._state == "pending" and self._fd is not None:
+                os.close(self._fd)
+            self._state = "closed" if self._state == "pending" else self._state
+
+
+def _guarded(call: Callable[[threading.Event], T], claim: _Claim, url: str, operation: str, key: str) -> T:
+    if not claim.start():
+        raise Cancelled(f"{operation} {key!r} abandoned before it started")
     try:
-        return call(cancel)
+        return call(claim.cancel)
     except (IntegrityError, RemoteError, Cancelled):
         raise
     except obx.BaseError as exc:

@@ -70,6 +70,10 @@ class Remote:
     :param attempts: tries per object on transient errors (5xx, resets, timeouts), with
         exponential backoff between them; the client also retries each request.
     :param deadline: seconds one step's upload (or download) may take in all.
+    :param run: this run's name (e.g. the job's id).  Given, the prefix is claimed for it
+        (an ``astage-run.json`` object, created once) and a Checkpointer whose run differs
+        from the prefix's owner fails when entered: two runs never mix their steps.
+        ``None`` claims nothing and checks nothing.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Remote:
         max_concurrency: int = 4,
         attempts: int = 5,
         deadline: float = 1800.0,
+        run: str | None = None,
     ) -> None:
         if not isinstance(url, str):
             raise ConfigurationError(f"Remote url must be a str, got {type(url).__name__}")
@@ -115,6 +120,9 @@ class Remote:
         self.max_concurrency = _positive_int("max_concurrency", max_concurrency)
         self.attempts = _positive_int("attempts", attempts)
         self.deadline = float(deadline)
+        if run is not None and (not isinstance(run, str) or not 0 < len(run) <= 256):
+            raise ConfigurationError(f"Remote run must be a str of 1 to 256 characters, got {run!r:.80}")
+        self.run = run
         self._client: RemoteClient | None = None
         self._lock = threading.Lock()
 

@@ -36,6 +36,9 @@ COMMIT_VERSION: Final = 1
 COMMIT_CAP: Final = 1 << 16
 """The most bytes of a commit object ever read."""
 
+RUN_KEY: Final = "astage-run.json"
+"""The object that claims a prefix for one run (``Remote(run=...)``)."""
+
 _KEY_CAP: Final = 64
 _NAME_RE: Final = re.compile(r"\Arank([0-9]{5,10})\.(astage|commit\.json)\Z")
 _ID_RE: Final = re.compile(r"\A[0-9a-f]{32}\Z")
