@@ -127,7 +127,7 @@ class SeaweedS3:
             "-master.electionTimeout=1s",
             f"-volume.port={p['volume']}",
             f"-volume.port.grpc={p['volume.grpc']}",
-            "-volume.max=64",
+            "-volume.max=0",
             "-filer",
             f"-filer.port={p['filer']}",
             f"-filer.port.grpc={p['filer.grpc']}",

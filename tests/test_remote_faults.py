@@ -174,3 +174,34 @@ async def test_a_rank_killed_during_its_upload_leaves_the_last_complete_step(
             assert_state(got, 10 + rank, 500_000)
             with pytest.raises(astage.ResourceError):
                 await ckpt.restore(step=2)
+
+
+async def test_cancelled_mid_upload_commits_nothing_and_the_next_run_uploads_it(
+    s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    bucket = s3_server.new_bucket()
+    with fault_proxy(s3_server.ports["s3"]) as proxy:
+        remote = proxied(s3_server, proxy, bucket)
+        async with anyio.create_task_group() as tg:
+
+            async def train() -> None:
+                async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+                    await (await ckpt.save(3, state(3, _BIG))).wait()
+                    proxy.delay = 0.05  # a slow store: the upload is still running when cancelled
+                    await anyio.to_thread.run_sync(proxy.wait_uploaded, 1 << 20)
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(train)
+        proxy.delay = 0.0
+        client = proxied(s3_server, proxy, bucket).client()
+        assert commit_key(3, 0) not in {m["path"] for m in obstore.list(client.store).collect()}
+        # The next run finds step 3 committed locally but not on the store: it uploads it.
+        async with astage.Checkpointer(tmp_path / "a", remote=proxied(s3_server, proxy, bucket)) as ckpt:
+            assert ckpt.steps() == [3]
+            stats = await ckpt.wait_uploaded(3)
+            assert stats is not None
+    direct = astage.Remote(
+        f"s3://{bucket}/run", options=s3_server.options(), client_options={"allow_http": True}
+    )
+    async with astage.Checkpointer(tmp_path / "fresh", remote=direct) as ckpt:
+        assert_state(await ckpt.restore(), 3, _BIG)

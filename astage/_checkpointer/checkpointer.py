@@ -424,6 +424,7 @@ class Checkpointer(AsyncResource):
         if self._remote is not None:
             self._remote_tier = tier
             tier.start(task_group)
+            tier.resume(self._committed)
         self._state = "open"
         log.debug("opened %s for rank %d: committed steps %s", self._directory, self._rank, self.steps())
 

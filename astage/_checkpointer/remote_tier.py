@@ -121,6 +121,7 @@ class RemoteTier:
         self._idle.set()
         self._pending = 0
         self.last_stats: UploadStats | None = None
+        self._listed: set[int] = set()  # steps with this rank's commit object, when entered
 
     # -- uploading ------------------------------------------------------------------------
 
@@ -129,7 +130,10 @@ class RemoteTier:
 
         :raises RemoteError: the store refuses the listing or cannot be reached.
         """
-        await self._with_retries("list", "", self.client.listing)
+        listing = await self._with_retries("list", "", self.client.listing)
+        self._listed = {
+            step for step, objects in group_listing(listing).items() if self.rank in objects.commits
+        }
         if self.remote.run is not None:
             mine = json.dumps({"format": "astage-run", "run": self.remote.run}).encode()
             owner = await self._with_retries("claim", RUN_KEY, self.client.claim, RUN_KEY, mine, COMMIT_CAP)
@@ -145,6 +149,15 @@ class RemoteTier:
         send, receive = anyio.create_memory_object_stream[_Upload](math.inf)
         self._send = send
         task_group.start_soon(self._run, receive, name="astage remote uploads")
+
+    def resume(self, committed: Mapping[int, Marker]) -> None:
+        """After a restart: queue the newest local step if the store lacks this rank's
+        commit of it (an upload the last run did not finish, a preemption's last save)."""
+        newest = max(committed, default=None)
+        if newest is not None and newest > max(self._listed, default=-1):
+            log.info("step %d is not on %s yet: uploading it", newest, self.client.url)
+            self.committed(newest, committed[newest], {}, force=True)
+            self._commits -= 1  # not a new commit: the every-N count goes on as before
 
     def committed(
         self, step: int, marker: Marker, metrics: Mapping[str, float], *, force: bool = False
