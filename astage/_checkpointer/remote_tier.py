@@ -5,7 +5,7 @@ commit) queues it; one task of the Checkpointer's task group uploads the queue i
 never on a ``save()``'s path.  A step is streamed from this rank's committed local file
 (:meth:`RemoteClient.upload_file`: multipart, bounded concurrency and memory), each
 object retried with backoff on transient errors, the whole step under the remote's
-deadline.  The data object goes first; once the store reports it whole, this rank's
+deadline.  The data object goes first; once the store has acknowledged it, this rank's
 commit object (:class:`~astage._remote.layout.CommitObject`, with the object's crc32c)
 goes last.  Only then is the step reported uploaded (:class:`UploadStats`).  Until its
 upload has ended, a queued step is *pinned*: local retention keeps it on disk.  After each
@@ -259,11 +259,8 @@ class RemoteTier:
                 delay = min(_BACKOFF_MAX, _BACKOFF_FIRST * 2 ** (attempts - 1))
                 log.warning("upload of %s failed (attempt %d), again in %.1fs: %s", key, attempts, delay, exc)
                 await anyio.sleep(delay)  # backoff before the next attempt
-        size = await self._with_retries("head", key, self.client.size, key)
-        if size != entry.nbytes:
-            raise RemoteError(
-                f"{key} on {self.client.url} is {size} bytes after its upload, not {entry.nbytes}"
-            )
+        # A put that returned is durable on the store (S3, GCS and Azure say so of a
+        # finished upload); the bytes it sent were exactly the file's (checked as read).
         commit = CommitObject(
             step=step,
             rank=self.rank,
