@@ -66,7 +66,6 @@ from .._util.errors import (
     ConfigurationError,
     IntegrityError,
     PersistError,
-    RemoteError,
     ResourceError,
 )
 from .._util.frames import drop_frames
@@ -75,6 +74,7 @@ from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .._util.resource import AsyncResource
 from .._util.validate import check_path
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
+from .remote_restore import heal_newest, restore_across_tiers
 from .remote_tier import RemoteTier, UploadStats
 from .save_pipeline import EventKind, Job, Persister
 
@@ -888,7 +888,9 @@ class Checkpointer(AsyncResource):
                 from .collective_restore import collective_restore
 
                 if self._remote_tier is not None:  # the store's steps become local ones first
-                    await self._heal_from_remote(None if step is None else _check_step(step))
+                    await heal_newest(
+                        self._remote_tier, self._committed, None if step is None else _check_step(step)
+                    )
                 return await collective_restore(
                     self, self._replication, None if step is None else _check_step(step), progress
                 )
@@ -911,59 +913,12 @@ class Checkpointer(AsyncResource):
         return await restore_local(step, marker, self.step_dir(step), self._rank, load_own, places, progress)
 
     async def _restore_tiers(self, step: int | None, progress: ReadProgress) -> Any:
-        """``step`` (default: the newest any tier has) from the local tier, else healed from
-        the store; a copy that fails its checks is never returned: the next tier, or (for
-        the newest) the next older step, is tried."""
-        tier = self._remote_tier
-        assert tier is not None
-        try:
-            remote = await tier.complete_steps()
-        except RemoteError as exc:
-            log.warning("cannot list the remote tier, restoring from the local one only: %s", exc)
-            remote = {}
-        candidates = [step] if step is not None else sorted(set(self._committed) | set(remote), reverse=True)
-        problems: list[Exception] = []
-        for candidate in candidates:
-            if candidate in self._committed or candidate not in remote:
-                try:
-                    return await self._restore_one(candidate, progress)
-                except (ResourceError, IntegrityError) as exc:
-                    problems.append(exc)
-            if candidate in remote:
-                self._committed.pop(candidate, None)  # its local marker goes first (heal)
-                try:
-                    self._committed[candidate] = await tier.heal(remote[candidate][self._rank])
-                    return await self._restore_one(candidate, progress)
-                except (IntegrityError, RemoteError, OSError) as exc:
-                    log.warning("step %d from the remote tier is unusable: %s", candidate, exc)
-                    problems.append(exc)
-        where = f"{self._directory} or on {tier.client.url}"
-        if all(isinstance(p, ResourceError) for p in problems):
-            raise ResourceError(f"no checkpoint of rank {self._rank} (step {step}) in {where}")
-        text = "; ".join(str(p) for p in problems)
-        raise IntegrityError(f"cannot restore rank {self._rank} from any tier ({where}): {text}")
-
-    async def _heal_from_remote(self, step: int | None) -> None:
-        """Before a collective restore: download (verified) and commit locally ``step`` (or
-        the newest step complete on the store) if this rank lacks it, so that the ranks'
-        agreement counts the store as one of their tiers.  Failures are logged: the
-        collective restore then finds the step on a peer, or agrees on an older one."""
-        tier = self._remote_tier
-        assert tier is not None
-        try:
-            remote = await tier.complete_steps()
-        except RemoteError as exc:
-            log.warning("cannot list the remote tier, restoring from the local one only: %s", exc)
-            return
-        wanted = step if step is not None else max(remote, default=None)
-        if wanted is None or wanted in self._committed or wanted not in remote:
-            return
-        if step is None and wanted < (self.latest() or -1):
-            return  # this rank's disk has newer: the agreement decides
-        try:
-            self._committed[wanted] = await tier.heal(remote[wanted][self._rank])
-        except (IntegrityError, RemoteError, OSError) as exc:
-            log.warning("step %d from the remote tier is unusable: %s", wanted, exc)
+        """``step`` (default: the newest any tier has) from the local tier, else healed
+        from the store (see :func:`restore_across_tiers`)."""
+        assert self._remote_tier is not None
+        restore_one = functools.partial(self._restore_one, progress=progress)
+        where = f"{self._directory} or on {self._remote_tier.client.url}"
+        return await restore_across_tiers(self._remote_tier, self._committed, step, restore_one, where)
 
     async def wait_uploaded(self, step: int) -> UploadStats | None:
         """Wait until ``step`` (saved before) is committed and on the remote tier.
