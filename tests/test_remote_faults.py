@@ -205,3 +205,23 @@ async def test_cancelled_mid_upload_commits_nothing_and_the_next_run_uploads_it(
     )
     async with astage.Checkpointer(tmp_path / "fresh", remote=direct) as ckpt:
         assert_state(await ckpt.restore(), 3, _BIG)
+
+
+async def test_local_retention_keeps_a_step_until_its_upload_ends(
+    s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    bucket = s3_server.new_bucket()
+    with fault_proxy(s3_server.ports["s3"]) as proxy:
+        remote = proxied(s3_server, proxy, bucket)
+        async with astage.Checkpointer(tmp_path / "a", remote=remote, keep=1) as ckpt:
+            proxy.delay = 0.05  # a slow store: step 1's upload outlasts the next saves
+            first = await ckpt.save(1, state(1, _BIG))
+            await first.wait()
+            await anyio.to_thread.run_sync(proxy.wait_uploaded, 1 << 20)
+            for step in (2, 3):
+                await (await ckpt.save(step, state(step))).wait()
+            assert ckpt.steps() == [1, 2, 3]  # 1 uploading, 2 and 3 queued behind it: all stay
+            proxy.delay = 0.0
+            await ckpt.wait_uploaded(3)
+            await (await ckpt.save(4, state(4))).uploaded()
+            assert ckpt.steps() == [4]
