@@ -167,3 +167,17 @@ async def test_a_prefix_owned_by_another_run_is_refused(s3_server: SeaweedS3, tm
         assert_state(await ckpt.restore(), 1)
     async with astage.Checkpointer(tmp_path / "d", remote=s3_remote(s3_server, bucket)) as ckpt:
         assert_state(await ckpt.restore(), 1)
+
+
+async def test_progress_reports_the_upload_after_the_commit(tmp_path: Path) -> None:
+    events: list[astage.SaveEvent] = []
+    remote = astage.Remote("memory:///")
+    async with astage.Checkpointer(tmp_path / "a", remote=remote, on_progress=events.append) as ckpt:
+        stats = await (await ckpt.save(1, state(1))).uploaded()
+        assert ckpt.last_upload_stats == stats
+    kinds = [e.kind for e in events]
+    assert kinds.index("committed") < kinds.index("uploaded")
+    uploaded = events[kinds.index("uploaded")]
+    assert uploaded.upload == stats
+    assert uploaded.step == 1
+    assert uploaded.elapsed_seconds >= stats.seconds

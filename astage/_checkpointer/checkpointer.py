@@ -156,10 +156,12 @@ class SaveStats:
 class SaveEvent:
     """One progress report, passed to ``on_progress``.
 
-    :ivar kind: ``staged``, ``persisted``, ``replicated``, ``committed`` or ``failed``.
+    :ivar kind: ``staged``, ``persisted``, ``replicated``, ``committed`` or ``failed``;
+        with a remote tier, ``uploaded`` once the step's commit object is on the store.
     :ivar elapsed_seconds: since the ``save()`` call.
     :ivar stats: the save's stats, on ``committed``.
     :ivar error: why the save failed, on ``failed``.
+    :ivar upload: the upload's stats, on ``uploaded``.
     """
 
     kind: EventKind
@@ -168,6 +170,7 @@ class SaveEvent:
     elapsed_seconds: float
     stats: SaveStats | None = None
     error: AstageError | None = None
+    upload: UploadStats | None = None
 
 
 # -- the Checkpointer -----------------------------------------------------------------------
@@ -377,6 +380,8 @@ class Checkpointer(AsyncResource):
         self._persister: Persister | None = None  # made on entering: it writes relative to _dir_fd
         self.last_stats: SaveStats | None = None
         """The stats of the latest committed save."""
+        self.last_upload_stats: UploadStats | None = None
+        """The stats of the latest upload to the remote tier."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -400,6 +405,7 @@ class Checkpointer(AsyncResource):
             )
             if self._remote is not None:  # a wrong URL, bucket or credential fails here, not later
                 tier = RemoteTier(self._remote, self._directory, self._rank, dir_fd, self._limiter)
+                tier.on_uploaded = self._emit_uploaded
                 await tier.check()
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
@@ -786,7 +792,8 @@ class Checkpointer(AsyncResource):
         )
         self.last_stats = job.stats
         if self._remote_tier is not None:
-            self._remote_tier.committed(job.step, marker, self._metrics.get(job.step, {}), force=job.upload)
+            metrics = self._metrics.get(job.step, {})
+            self._remote_tier.committed(job.step, marker, metrics, force=job.upload, started=job.started)
         log.info(
             "committed step %d: %d bytes, caller blocked %.4fs, persisted in %.4fs (%.2f GB/s)",
             job.step,
@@ -841,6 +848,17 @@ class Checkpointer(AsyncResource):
             self._on_progress(event)
         except Exception:
             log.exception("the on_progress callback failed on %s of step %d", kind, job.step)
+
+    def _emit_uploaded(self, step: int, checkpoint_id: str, started: float, stats: UploadStats) -> None:
+        self.last_upload_stats = stats
+        if self._on_progress is None:
+            return
+        elapsed = time.perf_counter() - started
+        event = SaveEvent("uploaded", step, checkpoint_id, elapsed, upload=stats)
+        try:
+            self._on_progress(event)
+        except Exception:
+            log.exception("the on_progress callback failed on uploaded of step %d", step)
 
     # -- restoring -----------------------------------------------------------------------
 

@@ -86,6 +86,7 @@ class _Upload:
     step: int
     marker: Marker
     metrics: dict[str, float]
+    started: float
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     stats: UploadStats | None = None
     error: AstageError | None = None
@@ -122,6 +123,9 @@ class RemoteTier:
         self._pending = 0
         self.last_stats: UploadStats | None = None
         self._listed: set[int] = set()  # steps with this rank's commit object, when entered
+        self.on_uploaded: Callable[[int, str, float, UploadStats], None] | None = None
+        """Called on the event loop once a step is uploaded (step, checkpoint id, when its
+        save started on the ``perf_counter`` clock, the stats)."""
 
     # -- uploading ------------------------------------------------------------------------
 
@@ -160,7 +164,13 @@ class RemoteTier:
             self._commits -= 1  # not a new commit: the every-N count goes on as before
 
     def committed(
-        self, step: int, marker: Marker, metrics: Mapping[str, float], *, force: bool = False
+        self,
+        step: int,
+        marker: Marker,
+        metrics: Mapping[str, float],
+        *,
+        force: bool = False,
+        started: float | None = None,
     ) -> bool:
         """A step was committed locally: queue its upload if the policy picks it (or ``force``)."""
         self._commits += 1
@@ -168,7 +178,7 @@ class RemoteTier:
             return False
         if step in self._uploads and not self._uploads[step].done.is_set():
             return True
-        upload = _Upload(step, marker, dict(metrics))
+        upload = _Upload(step, marker, dict(metrics), time.perf_counter() if started is None else started)
         self._uploads[step] = upload
         self._pending += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
@@ -219,6 +229,8 @@ class RemoteTier:
             with anyio.fail_after(self.remote.deadline):
                 upload.stats = await self._upload_step(upload)
             self.last_stats = upload.stats
+            if self.on_uploaded is not None:
+                self.on_uploaded(step, upload.marker.checkpoint_id, upload.started, upload.stats)
             log.info(
                 "uploaded step %d to %s: %d bytes in %.3fs (%.2f GB/s)",
                 step,

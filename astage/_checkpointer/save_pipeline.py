@@ -51,9 +51,10 @@ if TYPE_CHECKING:
 # The Checkpointer's logger: splitting the module changes nothing users configure.
 log = logging.getLogger("astage.checkpointer")
 
-EventKind = Literal["staged", "persisted", "replicated", "committed", "failed"]
+EventKind = Literal["staged", "persisted", "replicated", "committed", "failed", "uploaded"]
 """What happened to a save: ``staged`` first, then ``persisted`` (the local file is durable)
-and ``replicated`` in either order, then ``committed``, or ``failed`` instead."""
+and ``replicated`` in either order, then ``committed``, or ``failed`` instead; with a remote
+tier, ``uploaded`` once its commit object is durable on the store."""
 
 
 @dataclasses.dataclass(eq=False)
