@@ -225,3 +225,20 @@ async def test_local_retention_keeps_a_step_until_its_upload_ends(
             await ckpt.wait_uploaded(3)
             await (await ckpt.save(4, state(4))).uploaded()
             assert ckpt.steps() == [4]
+
+
+async def test_deadlines_bound_a_slow_store(s3_server: SeaweedS3, tmp_path: Path) -> None:
+    bucket = s3_server.new_bucket()
+    with fault_proxy(s3_server.ports["s3"]) as proxy:
+        remote = proxied(s3_server, proxy, bucket, deadline=1.0)
+        async with astage.Checkpointer(tmp_path / "a", remote=remote, keep=None) as ckpt:
+            proxy.delay = 0.05  # 48 MB at ~1.3 MB/s: far past the 1 s deadline
+            handle = await ckpt.save(1, state(1, _BIG))
+            with pytest.raises(astage.RemoteError, match="deadline"):
+                await handle.uploaded()
+            assert ckpt.steps() == [1]  # committed locally all the same
+            with pytest.raises(TimeoutError):
+                await ckpt.save_now_and_upload(2, state(2, _BIG), deadline=0.5)
+            proxy.delay = 0.0
+        keys = {m["path"] for m in obstore.list(proxied(s3_server, proxy, bucket).client().store).collect()}
+        assert commit_key(1, 0) not in keys

@@ -181,3 +181,17 @@ async def test_progress_reports_the_upload_after_the_commit(tmp_path: Path) -> N
     assert uploaded.upload == stats
     assert uploaded.step == 1
     assert uploaded.elapsed_seconds >= stats.seconds
+
+
+async def test_save_now_and_upload_uploads_a_step_the_interval_would_skip(tmp_path: Path) -> None:
+    remote = astage.Remote("memory:///", every=100)
+    async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+        assert await (await ckpt.save(1, state(1))).uploaded() is not None  # the first is picked
+        assert await (await ckpt.save(2, state(2))).uploaded() is None  # the interval skips it
+        stats = await ckpt.save_now_and_upload(3, state(3), deadline=60)
+        assert stats.step == 3
+    async with astage.Checkpointer(tmp_path / "fresh", remote=remote) as ckpt:
+        assert_state(await ckpt.restore(), 3)
+    async with astage.Checkpointer(tmp_path / "plain") as ckpt:
+        with pytest.raises(astage.ConfigurationError):
+            await ckpt.save_now_and_upload(1, state(1), deadline=1)

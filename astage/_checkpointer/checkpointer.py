@@ -363,6 +363,7 @@ class Checkpointer(AsyncResource):
         self._remote = as_remote(remote)
         self._remote_tier: RemoteTier | None = None
         self._metrics: dict[int, dict[str, float]] = {}
+        self._force_upload: set[int] = set()  # steps saved by save_now_and_upload
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._committed: dict[int, Marker] = {}
         self._reserved: set[int] = set()  # steps between the start of save() and their end
@@ -793,7 +794,9 @@ class Checkpointer(AsyncResource):
         self.last_stats = job.stats
         if self._remote_tier is not None:
             metrics = self._metrics.get(job.step, {})
-            self._remote_tier.committed(job.step, marker, metrics, force=job.upload, started=job.started)
+            force = job.step in self._force_upload  # a save on preemption
+            self._force_upload.discard(job.step)
+            self._remote_tier.committed(job.step, marker, metrics, force=force, started=job.started)
         log.info(
             "committed step %d: %d bytes, caller blocked %.4fs, persisted in %.4fs (%.2f GB/s)",
             job.step,
@@ -818,6 +821,7 @@ class Checkpointer(AsyncResource):
                 del self._metrics[step]
 
     def _fail(self, job: Job, exc: Exception) -> None:
+        self._force_upload.discard(job.step)
         drop_frames(exc)
         error = PersistError(f"checkpoint step {job.step} failed and was not committed: {exc}")
         error.__cause__ = exc
@@ -973,8 +977,12 @@ class Checkpointer(AsyncResource):
         if self._remote_tier is None:
             raise ConfigurationError("save_now_and_upload() needs Checkpointer(remote=...)")
         with anyio.fail_after(deadline):
-            handle = await self.save(step, state_dict, metrics=metrics)
-            handle._job.upload = True
+            self._force_upload.add(step)  # read at its commit, which may come before save() returns
+            try:
+                handle = await self.save(step, state_dict, metrics=metrics)
+            except BaseException:
+                self._force_upload.discard(step)
+                raise
             stats = await handle.uploaded()
         assert stats is not None
         return stats

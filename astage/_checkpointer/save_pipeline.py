@@ -95,8 +95,6 @@ class Job:
     marker: Marker | None = None
     durable_at: float | None = None
     """``time.perf_counter()`` when the marker (and so the whole save) became durable."""
-    upload: bool = False
-    """Upload this step to the remote tier whatever its policy says (a save on preemption)."""
 
 
 class Abandoned(Exception):
