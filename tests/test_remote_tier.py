@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import obstore
 import pytest
 import torch
@@ -195,3 +196,21 @@ async def test_save_now_and_upload_uploads_a_step_the_interval_would_skip(tmp_pa
     async with astage.Checkpointer(tmp_path / "plain") as ckpt:
         with pytest.raises(astage.ConfigurationError):
             await ckpt.save_now_and_upload(1, state(1), deadline=1)
+
+
+def test_one_remote_serves_runs_on_either_backend(tmp_path: Path) -> None:
+    remote = astage.Remote((tmp_path / "store").as_uri())
+
+    async def save(step: int) -> None:
+        async with astage.Checkpointer(tmp_path / f"a{step}", remote=remote) as ckpt:
+            await (await ckpt.save(step, state(step))).uploaded()
+
+    anyio.run(save, 1, backend="asyncio")
+    anyio.run(save, 2, backend="trio")
+
+    async def restore() -> Any:
+        async with astage.Checkpointer(tmp_path / "fresh", remote=remote) as ckpt:
+            return await ckpt.restore()
+
+    assert_state(anyio.run(restore, backend="trio"), 2)
+    assert_state(anyio.run(restore, backend="asyncio"), 2)

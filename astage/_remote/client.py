@@ -114,8 +114,6 @@ class RemoteClient:
                 self.store = make(remote.url, client_options=client, retry_config=retry, **options)
             except Exception as exc:
                 raise RemoteError(f"cannot configure the store {self.url}: {str(exc)[:300]}") from exc
-        # A memory:// store lives in this process: a second limiter is not needed.
-        self.limiter = anyio.CapacityLimiter(max(4, remote.max_concurrency))
 
     async def run(
         self, operation: str, key: str, fn: Callable[..., T], *args: Any, owns: int | None = None
@@ -130,7 +128,7 @@ class RemoteClient:
         call = functools.partial(fn, *args)
         try:
             return await anyio.to_thread.run_sync(
-                _guarded, call, claim, self.url, operation, key, limiter=self.limiter, abandon_on_cancel=True
+                _guarded, call, claim, self.url, operation, key, abandon_on_cancel=True
             )
         except BaseException:
             claim.abandon()
