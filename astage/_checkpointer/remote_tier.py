@@ -244,9 +244,9 @@ class RemoteTier:
                 f"uploading step {step} to {self.client.url} took over its deadline "
                 f"of {self.remote.deadline}s"
             )
-        except (AstageError, OSError) as exc:
+        except Exception as exc:  # reported by uploaded(), never into the Checkpointer's task group
             upload.error = (
-                exc if isinstance(exc, RemoteError) else RemoteError(f"uploading step {step}: {exc}")
+                exc if isinstance(exc, RemoteError) else RemoteError(f"uploading step {step}: {exc!r}")
             )
         finally:
             upload.done.set()
@@ -319,7 +319,7 @@ class RemoteTier:
             for step in sorted(set(steps) - retained(self.remote.keep, infos)):
                 await self.delete_step(step, self.world_size)
                 log.info("deleted step %d from %s (keep=%s)", step, self.client.url, self.remote.keep)
-        except AstageError as exc:
+        except Exception as exc:  # never into the Checkpointer's task group
             log.warning(
                 "retention on %s failed (tried again after the next upload): %s", self.client.url, exc
             )
