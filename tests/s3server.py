@@ -10,9 +10,24 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.s3server import ACCESS_KEY, SECRET_KEY, SeaweedS3, start_seaweed
+from benchmarks.s3server import (
+    ACCESS_KEY,
+    READONLY_KEY,
+    READONLY_SECRET,
+    SECRET_KEY,
+    SeaweedS3,
+    start_seaweed,
+)
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "SeaweedS3", "s3_server", "seaweed_server"]
+__all__ = [
+    "ACCESS_KEY",
+    "READONLY_KEY",
+    "READONLY_SECRET",
+    "SECRET_KEY",
+    "SeaweedS3",
+    "s3_server",
+    "seaweed_server",
+]
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch
 
 import astage
 from astage._remote.layout import commit_key, data_key
-from tests.s3server import SeaweedS3
+from tests.s3server import READONLY_KEY, READONLY_SECRET, SeaweedS3
 
 pytestmark = pytest.mark.anyio
 
@@ -214,3 +214,21 @@ def test_one_remote_serves_runs_on_either_backend(tmp_path: Path) -> None:
 
     assert_state(anyio.run(restore, backend="trio"), 2)
     assert_state(anyio.run(restore, backend="asyncio"), 2)
+
+
+async def test_a_read_only_credential_fails_the_upload_without_retrying(
+    s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    bucket = s3_server.new_bucket()
+    reader = astage.Remote(
+        f"s3://{bucket}/run",
+        options=s3_server.options(access_key_id=READONLY_KEY, secret_access_key=READONLY_SECRET),
+        client_options={"allow_http": True},
+        attempts=50,
+    )
+    async with astage.Checkpointer(tmp_path / "a", remote=reader) as ckpt:  # listing is allowed
+        handle = await ckpt.save(1, state(1))
+        with pytest.raises(astage.RemoteError, match="refused") as info:
+            await handle.uploaded()
+        assert READONLY_SECRET not in str(info.value)
+        assert ckpt.steps() == [1]
