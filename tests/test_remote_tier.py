@@ -232,3 +232,18 @@ async def test_a_read_only_credential_fails_the_upload_without_retrying(
             await handle.uploaded()
         assert READONLY_SECRET not in str(info.value)
         assert ckpt.steps() == [1]
+
+
+async def test_a_tampered_commit_object_is_never_trusted(tmp_path: Path) -> None:
+    remote = astage.Remote("memory:///")
+    async with astage.Checkpointer(tmp_path / "a", remote=remote, keep=None) as ckpt:
+        for step in (1, 2):
+            await (await ckpt.save(step, state(step))).uploaded()
+    store = remote.client().store
+    commit = json.loads(bytes(obstore.get(store, commit_key(2, 0)).bytes()))
+    commit["object"]["crc32c"] ^= 1  # its own checksum no longer matches
+    obstore.put(store, commit_key(2, 0), json.dumps(commit).encode())
+    async with astage.Checkpointer(tmp_path / "fresh", remote=remote) as ckpt:
+        assert_state(await ckpt.restore(), 1)
+        with pytest.raises(astage.IntegrityError, match="checksum"):
+            await ckpt.restore(step=2)

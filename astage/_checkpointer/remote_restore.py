@@ -40,7 +40,7 @@ async def restore_across_tiers(
     :raises IntegrityError: every copy found is unusable (each named).
     """
     try:
-        remote = await tier.complete_steps()
+        remote = await tier.listed_steps()
     except RemoteError as exc:
         log.warning("cannot list the remote tier, restoring from the local one only: %s", exc)
         remote = {}
@@ -55,7 +55,8 @@ async def restore_across_tiers(
         if candidate in remote:
             committed.pop(candidate, None)  # its local marker goes first (heal)
             try:
-                committed[candidate] = await tier.heal(remote[candidate][tier.rank])
+                commit = await tier.own_commit(candidate, remote[candidate])
+                committed[candidate] = await tier.heal(commit)
                 return await restore_one(candidate)
             except (IntegrityError, RemoteError, OSError) as exc:
                 log.warning("step %d from the remote tier is unusable: %s", candidate, exc)
@@ -71,7 +72,7 @@ async def heal_newest(tier: RemoteTier, committed: dict[int, Marker], step: int 
     newest step complete on the store) if this rank lacks it.  Failures are logged: the
     collective restore then finds the step on a peer, or agrees on an older one."""
     try:
-        remote = await tier.complete_steps()
+        remote = await tier.listed_steps()
     except RemoteError as exc:
         log.warning("cannot list the remote tier, restoring from the local one only: %s", exc)
         return
@@ -81,6 +82,6 @@ async def heal_newest(tier: RemoteTier, committed: dict[int, Marker], step: int 
     if step is None and wanted < max(committed, default=-1):
         return  # this rank's disk has newer: the agreement decides
     try:
-        committed[wanted] = await tier.heal(remote[wanted][tier.rank])
+        committed[wanted] = await tier.heal(await tier.own_commit(wanted, remote[wanted]))
     except (IntegrityError, RemoteError, OSError) as exc:
         log.warning("step %d from the remote tier is unusable: %s", wanted, exc)

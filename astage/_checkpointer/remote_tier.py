@@ -45,6 +45,7 @@ from .._remote.layout import (
     COMMIT_CAP,
     RUN_KEY,
     CommitObject,
+    StepObjects,
     commit_key,
     data_key,
     group_listing,
@@ -123,6 +124,7 @@ class RemoteTier:
         self._pending = 0
         self.last_stats: UploadStats | None = None
         self._listed: set[int] = set()  # steps with this rank's commit object, when entered
+        self._commit_cache: dict[tuple[int, int], CommitObject] = {}
         self.on_uploaded: Callable[[int, str, float, UploadStats], None] | None = None
         """Called on the event loop once a step is uploaded (step, checkpoint id, when its
         save started on the ``perf_counter`` clock, the stats)."""
@@ -327,6 +329,7 @@ class RemoteTier:
     async def delete_step(self, step: int, world_size: int) -> None:
         """Delete a step from the store: every commit object first, then the data."""
         for rank in range(world_size):
+            self._commit_cache.pop((step, rank), None)
             await self.client.run(
                 "delete", commit_key(step, rank), self.client.delete, commit_key(step, rank)
             )
@@ -335,17 +338,33 @@ class RemoteTier:
 
     # -- reading back -----------------------------------------------------------------------
 
-    async def complete_steps(self) -> dict[int, list[CommitObject]]:
-        """The steps complete on the store, each with every rank's commit object.
-
-        A step whose commit objects are missing, invalid or disagree (world size, a rank's
-        data object's size) is left out (and logged).
-        """
+    async def listed_steps(self) -> dict[int, StepObjects]:
+        """The steps whose every rank's commit object is listed on the store (complete, as
+        far as the listing says; the commit objects are read when a step is used)."""
         listing = await self.client.run("list", "", self.client.listing)
+        ranks = set(range(self.world_size))
+        return {
+            step: objects for step, objects in group_listing(listing).items() if set(objects.commits) == ranks
+        }
+
+    async def own_commit(self, step: int, objects: StepObjects) -> CommitObject:
+        """This rank's commit object of a listed step, checked against the listing.
+
+        :raises IntegrityError: invalid, of another world size, or naming a data object of
+            another size than the one listed.
+        :raises RemoteError: it cannot be read.
+        """
+        commit = await self._read_commit(step, self.rank)
+        if commit.world_size != self.world_size or objects.data.get(self.rank) != commit.nbytes:
+            raise IntegrityError(f"step {step} on {self.client.url}: its objects do not match its commit")
+        return commit
+
+    async def complete_steps(self) -> dict[int, list[CommitObject]]:
+        """The steps complete on the store, each with every rank's commit object (all read:
+        for retention and listings).  A step whose commit objects are invalid or disagree
+        (world size, a rank's data object's size) is left out (and logged)."""
         complete: dict[int, list[CommitObject]] = {}
-        for step, objects in sorted(group_listing(listing).items()):
-            if len(objects.commits) != self.world_size or set(objects.commits) != set(range(self.world_size)):
-                continue
+        for step, objects in sorted((await self.listed_steps()).items()):
             try:
                 commits = [await self._read_commit(step, rank) for rank in range(self.world_size)]
             except (IntegrityError, RemoteError) as exc:
@@ -360,9 +379,16 @@ class RemoteTier:
         return complete
 
     async def _read_commit(self, step: int, rank: int) -> CommitObject:
+        """A commit object, read once per tier (a commit object is never rewritten in place
+        with other content: a step is deleted, commit objects first, before it is reused)."""
+        cached = self._commit_cache.get((step, rank))
+        if cached is not None:
+            return cached
         key = commit_key(step, rank)
         data = await self.client.run("get", key, self.client.get_bytes, key, COMMIT_CAP)
-        return parse_commit(data, step=step, rank=rank)
+        commit = parse_commit(data, step=step, rank=rank)
+        self._commit_cache[(step, rank)] = commit
+        return commit
 
     async def heal(self, commit: CommitObject) -> Marker:
         """Download this rank's object of ``commit.step``, verified, and commit it locally.
