@@ -517,7 +517,7 @@ def test_the_install_ships_the_benchmarks_and_a_typo_lists_them(
 ) -> None:
     done = astage_cli("bench", "stagign", cwd=tmp_path, env=installed)
     assert done.returncode == 2
-    listed = "the benchmarks are: format, gpu, loop_held, replication, staging"
+    listed = "the benchmarks are: format, gpu, loop_held, remote, replication, staging"
     assert f"no benchmark named 'stagign'; {listed}" in done.stderr
 
 
