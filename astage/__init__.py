@@ -18,7 +18,6 @@ from ._replication.records import ReplicationPhase as ReplicationPhase
 from ._replication.records import ReplicationResult as ReplicationResult
 from ._replication.records import ReplicationStats as ReplicationStats
 from ._replication.stager import ReplicationStager as ReplicationStager
-from ._staging.events import wait_event as wait_event
 from ._staging.options import StagingOptions as StagingOptions
 from ._staging.pool import PoolStats as PoolStats
 from ._staging.stager import AsyncStager as AsyncStager
@@ -35,6 +34,7 @@ from ._util.errors import IntegrityError as IntegrityError
 from ._util.errors import PeerReportedError as PeerReportedError
 from ._util.errors import PeerTimeoutError as PeerTimeoutError
 from ._util.errors import PersistError as PersistError
+from ._util.errors import RemoteError as RemoteError
 from ._util.errors import ResourceError as ResourceError
 from ._util.errors import TransportError as TransportError
 from ._util.errors import UnsupportedInputError as UnsupportedInputError
@@ -57,13 +57,18 @@ _FILE_READERS = "CheckpointFileInfo find_replicas inspect_checkpoint_file load_c
 _RETIRED |= dict.fromkeys(
     f"{_FILE_READERS} load_checkpoint_file_sync sweep_stale_temps".split(), "astage.files"
 )
+# Rooms of their own, so that the top level stays a short list; their names resolve here too.
+_RETIRED |= {"wait_event": "astage.events", "Remote": "astage.remote", "UploadStats": "astage.remote"}
+_RETIRED |= dict.fromkeys(
+    ["Policy", "StepInfo", "best", "every_seconds", "every_steps", "keep_if", "latest"], "astage.retention"
+)
 
 
 def __getattr__(name: str) -> object:
     import importlib
 
     # ``astage.dcp`` loads torch.distributed.checkpoint (~0.2 s): only when first used.
-    if name in ("dcp", "files"):
+    if name in ("dcp", "events", "files", "remote", "retention"):
         return importlib.import_module(f".{name}", __name__)
     if name in _RETIRED:
         return getattr(importlib.import_module(_RETIRED[name]), name)
@@ -87,6 +92,7 @@ __all__ = [
     "PeerTimeoutError",
     "PersistError",
     "PoolStats",
+    "RemoteError",
     "ReplicaSource",
     "ReplicationPhase",
     "ReplicationResult",
@@ -102,5 +108,4 @@ __all__ = [
     "TransportError",
     "UnsupportedInputError",
     "__version__",
-    "wait_event",
 ]

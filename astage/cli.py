@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -487,6 +489,21 @@ def _ls(top: Path, verify: bool, as_json: bool) -> int:
     return EXIT_DAMAGED if problems else 0
 
 
+def _remote(command: str, url: str, verify: bool, as_json: bool) -> int:
+    """``astage ls URL``: a remote tier's steps, complete or not, checked; ``astage inspect
+    URL``: one object, downloaded (checked against its commit object) and shown as a file."""
+    # obstore is an optional dependency (the ``remote`` extra): loaded only for a URL.
+    from ._remote import catalog
+
+    if command == "inspect":
+        with catalog.scratch_dir() as (path, _):
+            name = anyio.run(catalog.download_object, url, path, as_json)
+            return _inspect(path / name, verify, as_json)
+    doc = anyio.run(functools.partial(catalog.list_remote, url, verify=verify))
+    _stdout_console().print_json(data=doc) if as_json else _stdout_console().print(catalog.remote_table(doc))
+    return EXIT_DAMAGED if doc["problems"] else 0
+
+
 def _check_all(
     checkpoints: dict[Path, list[_Step]], replica_dirs: dict[Path, list[Path]], verify: bool
 ) -> dict[Path, list[dict[str, Any]]]:
@@ -720,7 +737,11 @@ def build_parser() -> argparse.ArgumentParser:
         "marker (step_N/rankR.COMMITTED, checked against the file it names). Exits 1 if a marker's "
         "file is damaged, 2 if the file itself cannot be read or is corrupt.",
     )
-    inspect.add_argument("path", type=Path, metavar="FILE", help="the file to show")
+    inspect.add_argument(
+        "path",
+        metavar="FILE",
+        help="the file to show, or an object's URL (s3://bucket/run/step_N/rankR.astage)",
+    )
     inspect.add_argument(
         "--no-verify", action="store_true", help="read only the header, not every checksum of the data"
     )
@@ -734,7 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
         "is damaged.",
     )
     ls.add_argument(
-        "directory", type=Path, metavar="DIR", help="a checkpoint directory, a step directory, or a parent"
+        "directory",
+        metavar="DIR",
+        help="a checkpoint directory, a step directory, or a parent; or a remote tier's URL "
+        "(s3://bucket/run: credentials from the environment, as the client reads them)",
     )
     ls.add_argument(
         "--no-verify",
@@ -761,10 +785,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return run_demo(args.steps, args.every, args.ranks, args.directory)
+        target = args.path if args.command == "inspect" else getattr(args, "directory", "")
+        if "://" in target:
+            return _remote(args.command, target, not args.no_verify, args.json)
         if args.command == "inspect":
-            return _inspect(args.path, not args.no_verify, args.json)
+            return _inspect(Path(target), not args.no_verify, args.json)
         if args.command == "ls":
-            return _ls(args.directory, not args.no_verify, args.json)
+            return _ls(Path(target), not args.no_verify, args.json)
         if args.command == "bench":
             return _bench(args.names, args.quick)
     except (astage.AstageError, OSError) as exc:

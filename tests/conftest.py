@@ -9,6 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# The session's S3 server (SeaweedFS on 127.0.0.1), for the remote-tier tests.
+from tests.s3server import s3_server  # noqa: F401 - a fixture
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:

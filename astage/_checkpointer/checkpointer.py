@@ -52,13 +52,17 @@ import anyio.abc
 
 from .._files.body_reads import read_lanes
 from .._files.markers import Marker
+from .._files.policies import Policy
 from .._files.retention import Retention
 from .._files.steps import StepStore
+from .._remote.config import Remote, as_remote
+from .._remote.layout import check_metrics
 from .._replication.stager import ReplicationStager
 from .._staging.stager import AsyncStager, DefaultStager, StageStats
 from .._util.errors import (
     ClosedError,
     ConfigurationError,
+    IntegrityError,
     PersistError,
     ResourceError,
 )
@@ -70,10 +74,13 @@ from .._util.validate import check_path
 from .collective_restore import collective_restore
 from .interfaces import EventKind, ReplicaSource, Replicator, SaveEvent, SaveStats
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
+from .remote_restore import heal_newest, restore_across_tiers
+from .remote_tier import RemoteTier, UploadStats
 from .restore_into import Destination, RestoreLoads, restore_loads
 from .save_pipeline import Job, Persister
 
 log = logging.getLogger("astage.checkpointer")
+
 
 # -- the Checkpointer -----------------------------------------------------------------------
 
@@ -86,8 +93,9 @@ class SaveHandle:
     :ivar staging_seconds: how long ``save()`` kept the caller.
     """
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, remote: RemoteTier | None = None) -> None:
         self._job = job
+        self._remote = remote
         self.step = job.step
         self.checkpoint_id = job.checkpoint_id
         self.staging_seconds = job.staging_seconds
@@ -123,6 +131,18 @@ class SaveHandle:
             raise self._job.error
         return self._job.stats
 
+    async def uploaded(self) -> UploadStats | None:
+        """Wait until this save is committed and uploaded to the remote tier.
+
+        :returns: the upload's stats, once this rank's commit object is durable on the
+            store; ``None`` without a remote tier or if the step was not picked for upload
+            (``Remote(every=...)``).
+        :raises PersistError: the save failed (nothing to upload).
+        :raises RemoteError: the upload failed (names the step).
+        """
+        await self.wait()
+        return None if self._remote is None else await self._remote.wait(self.step)
+
     def __repr__(self) -> str:
         state = "committed" if self.stats else ("failed" if self.done else "in flight")
         return f"<SaveHandle step={self.step} {state}>"
@@ -131,7 +151,7 @@ class SaveHandle:
 def _check_arguments(
     stager: AsyncStager | None,
     replication: Replicator | None,
-    keep: int | None,
+    keep: int | Policy | None,
     max_in_flight: int,
     rank: int,
     on_progress: Callable[[SaveEvent], object] | None,
@@ -151,8 +171,8 @@ def _check_arguments(
             raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
     if rank >= _RANK_LIMIT:
         raise ConfigurationError(f"rank must be below 2**31, got {rank}")
-    if keep is not None and (type(keep) is not int or keep < 1):
-        raise ConfigurationError(f"keep must be an int >= 1 or None, got {keep!r}")
+    if keep is not None and not isinstance(keep, Policy) and (type(keep) is not int or keep < 1):
+        raise ConfigurationError(f"keep must be an int >= 1, a retention policy or None, got {keep!r}")
     if replication is not None and not isinstance(replication, Replicator):
         raise ConfigurationError(
             f"replication must have an async replicate_staged() method, got {type(replication).__name__}"
@@ -215,6 +235,9 @@ class Checkpointer(AsyncResource):
     :param fallback_dirs: directories holding replicas (``*.astage``) that
         :meth:`restore` may use when the local copy is missing or corrupt.
     :param threads: worker threads for encoding and file I/O.
+    :param remote: the remote tier, an object store (a :class:`~astage.Remote` or a URL):
+        committed steps are uploaded in the background and :meth:`restore` falls back to
+        it (see the remote guide).  ``keep`` is then the local tier's retention policy.
     :raises ConfigurationError: an argument is out of range.
     """
 
@@ -224,12 +247,13 @@ class Checkpointer(AsyncResource):
         *,
         stager: AsyncStager | None = None,
         replication: Replicator | None = None,
-        keep: int | None = 3,
+        keep: int | Policy | None = 3,
         max_in_flight: int = 1,
         rank: int = 0,
         on_progress: Callable[[SaveEvent], object] | None = None,
         fallback_dirs: Iterable[str | os.PathLike[str]] = (),
         threads: int = 2,
+        remote: Remote | str | None = None,
     ) -> None:
         fallbacks = _check_arguments(
             stager, replication, keep, max_in_flight, rank, on_progress, fallback_dirs, threads
@@ -243,6 +267,10 @@ class Checkpointer(AsyncResource):
         self._on_progress = on_progress
         self._threads = threads
         self._fallback_dirs = fallbacks
+        self._remote = as_remote(remote)
+        self._remote_tier: RemoteTier | None = None
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._force_upload: set[int] = set()  # steps saved by save_now_and_upload
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._reserved: set[int] = set()  # steps between the start of save() and their end
         self._jobs: dict[int, Job] = {}
@@ -256,6 +284,8 @@ class Checkpointer(AsyncResource):
         self._persister: Persister | None = None  # made on entering, over the opened store
         self.last_stats: SaveStats | None = None
         """The stats of the latest committed save."""
+        self.last_upload_stats: UploadStats | None = None
+        """The stats of the latest upload to the remote tier."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -271,6 +301,11 @@ class Checkpointer(AsyncResource):
             raise ClosedError("a Checkpointer can be entered only once")
         await self._store.open()
         try:
+            if self._remote is not None:  # a wrong URL, bucket or credential fails here, not later
+                store = self._store
+                tier = RemoteTier(self._remote, store.directory, store.rank, store.dir_fd, store.limiter)
+                tier.on_uploaded = self._emit_uploaded
+                await tier.check()
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
         except BaseException:
@@ -280,6 +315,10 @@ class Checkpointer(AsyncResource):
         self._task_group = task_group
         self._slots = anyio.Semaphore(self._max_in_flight)
         self._persister = Persister(self._store, self._stager, self._replication, self._emit)
+        if self._remote is not None:
+            self._remote_tier = tier
+            tier.start(task_group)
+            tier.resume(self._store.index())
         self._state = "open"
         log.debug("opened %s for rank %d: committed steps %s", self.directory, self.rank, self.steps())
 
@@ -321,7 +360,11 @@ class Checkpointer(AsyncResource):
                 await self.wait()
             else:
                 await self._drain()
+            if report and self._remote_tier is not None:
+                await self._remote_tier.drain()  # uploads of committed steps finish too
         finally:
+            if self._remote_tier is not None:
+                self._remote_tier.close()
             if not self.closed:  # a concurrent aclose() may have finished
                 with anyio.CancelScope(shield=True):
                     if self._owns_stager:
@@ -386,8 +429,13 @@ class Checkpointer(AsyncResource):
 
     # -- saving --------------------------------------------------------------------------
 
-    async def save(self, step: int, state_dict: Any) -> SaveHandle:
+    async def save(
+        self, step: int, state_dict: Any, *, metrics: dict[str, float] | None = None
+    ) -> SaveHandle:
         """Stage ``state_dict`` and return; writing, replication and the commit go on.
+
+        ``metrics`` (short names to numbers, e.g. ``{"loss": 0.31}``) are what a ``best``
+        retention policy ranks steps by; they travel in the step's remote commit object.
 
         Waits first while ``max_in_flight`` saves are persisting.  Once this returns, the
         caller may change its tensors: the checkpoint holds the state as of this call.
@@ -407,6 +455,10 @@ class Checkpointer(AsyncResource):
         task_group = self._check_open("save")
         self._raise_unreported()
         _check_step(step)
+        try:
+            checked_metrics = check_metrics(metrics)
+        except IntegrityError as exc:
+            raise ConfigurationError(f"save(metrics=...): {exc}") from None
         if step in self._reserved or self._store.marker(step) is not None:
             state = "being saved" if step in self._reserved else "committed"
             raise ConfigurationError(f"step {step} is already {state} in {self.directory}")
@@ -426,8 +478,10 @@ class Checkpointer(AsyncResource):
         finally:
             if not handed_off:
                 self._unreserve(step)
+        if checked_metrics:
+            self._metrics[step] = checked_metrics
         self._emit("staged", job)
-        return SaveHandle(job)
+        return SaveHandle(job, self._remote_tier)
 
     async def _stage(self, step: int, state_dict: Any, started: float) -> Job:
         """Stage ``state_dict`` and lay it out: the part of a save its caller waits for."""
@@ -621,6 +675,11 @@ class Checkpointer(AsyncResource):
             durable_at=job.durable_at,
         )
         self.last_stats = job.stats
+        if self._remote_tier is not None:
+            metrics = self._metrics.get(job.step, {})
+            force = job.step in self._force_upload  # a save on preemption
+            self._force_upload.discard(job.step)
+            self._remote_tier.committed(job.step, marker, metrics, force=force, started=job.started)
         log.info(
             "committed step %d: %d bytes, caller blocked %.4fs, persisted in %.4fs (%.2f GB/s)",
             job.step,
@@ -636,9 +695,13 @@ class Checkpointer(AsyncResource):
         if self._retiring is None:
             self._retiring = anyio.Lock()
         async with self._retiring:
-            await self._store.retire(self._retention, just_committed)
+            pinned = self._remote_tier.pinned() if self._remote_tier is not None else ()
+            await self._store.retire(self._retention, just_committed, pinned, self._metrics)
+            for step in set(self._metrics) - set(self._store.steps()) - self._reserved:
+                del self._metrics[step]
 
     def _fail(self, job: Job, exc: Exception) -> None:
+        self._force_upload.discard(job.step)
         drop_frames(exc)
         error = PersistError(f"checkpoint step {job.step} failed and was not committed: {exc}")
         error.__cause__ = exc
@@ -664,6 +727,17 @@ class Checkpointer(AsyncResource):
             self._on_progress(event)
         except Exception:
             log.exception("the on_progress callback failed on %s of step %d", kind, job.step)
+
+    def _emit_uploaded(self, step: int, checkpoint_id: str, started: float, stats: UploadStats) -> None:
+        self.last_upload_stats = stats
+        if self._on_progress is None:
+            return
+        elapsed = time.perf_counter() - started
+        event = SaveEvent("uploaded", step, checkpoint_id, elapsed, upload=stats)
+        try:
+            self._on_progress(event)
+        except Exception:
+            log.exception("the on_progress callback failed on uploaded of step %d", step)
 
     # -- restoring -----------------------------------------------------------------------
 
@@ -737,18 +811,78 @@ class Checkpointer(AsyncResource):
         if collective is None or collective:
             if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
                 requested = None if step is None else _check_step(step)
+                if self._remote_tier is not None:  # the store's steps become local ones first
+                    await heal_newest(self._remote_tier, self._store.index(), requested)
                 return await collective_restore(
                     self._store, self._replication, requested, progress, self._drain, loads
                 )
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
+        if self._remote_tier is not None:
+            return await self._restore_tiers(None if step is None else _check_step(step), progress, loads)
         if step is None:
             step = self.latest()
             if step is None:
                 raise ResourceError(f"no committed checkpoint of rank {self.rank} in {self.directory}")
-        _check_step(step)
+        return await self._restore_one(_check_step(step), progress, loads)
+
+    async def _restore_one(self, step: int, progress: ReadProgress, loads: RestoreLoads) -> Any:
+        """``step`` from this rank's own file, else a replica (see :func:`restore_local`)."""
         fetch = self._replication.fetch_replica if isinstance(self._replication, ReplicaSource) else None
         places = ReplicaPlaces(fetch, self._fallback_dirs, self._store.limiter, loads.file)
         load_own = functools.partial(self._store.load, step, on_read=progress.advance, load=loads.file)
         marker = self._store.marker(step)
         return await restore_local(step, marker, self.step_dir(step), self.rank, load_own, places, progress)
+
+    async def _restore_tiers(self, step: int | None, progress: ReadProgress, loads: RestoreLoads) -> Any:
+        """``step`` (default: the newest any tier has) from the local tier, else healed
+        from the store (see :func:`restore_across_tiers`)."""
+        assert self._remote_tier is not None
+        restore_one = functools.partial(self._restore_one, progress=progress, loads=loads)
+        where = f"{self.directory} or on {self._remote_tier.client.url}"
+        return await restore_across_tiers(self._remote_tier, self._store.index(), step, restore_one, where)
+
+    async def wait_uploaded(self, step: int) -> UploadStats | None:
+        """Wait until ``step`` (saved before) is committed and on the remote tier.
+
+        :returns: its upload's stats (this rank's commit object is durable on the store);
+            ``None`` if the step was not picked for upload (``Remote(every=...)``).
+        :raises ConfigurationError: there is no remote tier.
+        :raises RemoteError: the upload failed.
+        """
+        self._check_open("wait_uploaded")
+        if self._remote_tier is None:
+            raise ConfigurationError("wait_uploaded() needs Checkpointer(remote=...)")
+        job = self._jobs.get(_check_step(step))
+        if job is not None:
+            await job.done.wait()
+            if job.error is not None:
+                job.reported = True
+                raise job.error
+        return await self._remote_tier.wait(step)
+
+    async def save_now_and_upload(
+        self, step: int, state_dict: Any, *, deadline: float, metrics: dict[str, float] | None = None
+    ) -> UploadStats:
+        """Save ``step`` now and wait until it is on the store: the save for a preemption
+        notice (SIGTERM).  The step is uploaded whatever ``Remote(every=...)`` says, after
+        the uploads queued before it.
+
+        :param deadline: seconds from now for the whole of it (staging, commit, upload).
+        :raises TimeoutError: the deadline passed first (the save and upload go on).
+        :raises ConfigurationError: there is no remote tier.
+        :raises PersistError: the save failed.
+        :raises RemoteError: the upload failed.
+        """
+        if self._remote_tier is None:
+            raise ConfigurationError("save_now_and_upload() needs Checkpointer(remote=...)")
+        with anyio.fail_after(deadline):
+            self._force_upload.add(step)  # read at its commit, which may come before save() returns
+            try:
+                handle = await self.save(step, state_dict, metrics=metrics)
+            except BaseException:
+                self._force_upload.discard(step)
+                raise
+            stats = await handle.uploaded()
+        assert stats is not None
+        return stats

@@ -9,10 +9,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._staging.stager import StageStats
 from .._util.errors import AstageError
+from .remote_tier import UploadStats
 
-EventKind = Literal["staged", "persisted", "replicated", "committed", "failed"]
+EventKind = Literal["staged", "persisted", "replicated", "committed", "failed", "uploaded"]
 """What happened to a save: ``staged`` first, then ``persisted`` (the local file is durable)
-and ``replicated`` in either order, then ``committed``, or ``failed`` instead."""
+and ``replicated`` in either order, then ``committed``, or ``failed`` instead; with a remote
+tier, ``uploaded`` once its commit object is durable on the store."""
 
 
 # -- protocols ----------------------------------------------------------------------------
@@ -91,10 +93,12 @@ class SaveStats:
 class SaveEvent:
     """One progress report, passed to ``on_progress``.
 
-    :ivar kind: ``staged``, ``persisted``, ``replicated``, ``committed`` or ``failed``.
+    :ivar kind: ``staged``, ``persisted``, ``replicated``, ``committed`` or ``failed``;
+        with a remote tier, ``uploaded`` once the step's commit object is on the store.
     :ivar elapsed_seconds: since the ``save()`` call.
     :ivar stats: the save's stats, on ``committed``.
     :ivar error: why the save failed, on ``failed``.
+    :ivar upload: the upload's stats, on ``uploaded``.
     """
 
     kind: EventKind
@@ -103,3 +107,4 @@ class SaveEvent:
     elapsed_seconds: float
     stats: SaveStats | None = None
     error: AstageError | None = None
+    upload: UploadStats | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import anyio
@@ -30,6 +31,7 @@ from .directory import (
 )
 from .durable import blocking_io, is_temp_name
 from .markers import Marker, read_marker
+from .policies import Policy, StepInfo, as_policy, retained
 
 # The Checkpointer's logger: splitting the module changes nothing users configure.
 log = logging.getLogger("astage.checkpointer")
@@ -124,15 +126,17 @@ def discard_uncommitted(dir_fd: int, name: str, data_name: str) -> None:
 
 
 class Retention:
-    """Keeps the ``keep`` highest committed steps of a rank (``None``: all).
+    """Keeps the committed steps of a rank that its policy wants (an int ``n``: the ``n``
+    highest; ``None``: all), the newest, and the steps another tier still needs (pinned).
 
     A step that cannot be deleted stays committed (``latest``/``restore`` see it) and is
     tried again after the next commit; its failure is logged once as a warning and never
     fails a save: the save that triggered retention is committed already.
     """
 
-    def __init__(self, keep: int | None, marker_name: str) -> None:
+    def __init__(self, keep: Policy | int | None, marker_name: str) -> None:
         self.keep = keep
+        self.policy = as_policy("keep", keep)
         self._marker_name = marker_name
         self._undeletable: set[int] = set()  # steps it failed to delete (warned once)
 
@@ -142,11 +146,15 @@ class Retention:
         just_committed: int,
         dir_fd: int,
         limiter: anyio.CapacityLimiter | None,
+        pinned: Collection[int] = (),
+        metrics: Mapping[int, Mapping[str, float]] | None = None,
     ) -> None:
-        """Delete the committed steps beyond ``keep`` from ``committed`` and from disk."""
-        if self.keep is None:
+        """Delete the committed steps the policy does not keep from ``committed`` and from
+        disk; never ``just_committed`` nor a ``pinned`` step."""
+        if self.policy is None:
             return
-        kept = set(sorted(committed, reverse=True)[: self.keep]) | {just_committed}
+        infos = [StepInfo(step, m.created, (metrics or {}).get(step, {})) for step, m in committed.items()]
+        kept = retained(self.policy, infos, pinned) | {just_committed}
         for step in sorted(set(committed) - kept):
             delete = functools.partial(
                 delete_step, dir_fd, step_dir_name(step), committed[step], self._marker_name
@@ -157,12 +165,12 @@ class Retention:
                 if step not in self._undeletable:
                     self._undeletable.add(step)
                     log.warning(
-                        "retention (keep=%d) cannot delete step %d, which stays committed: %s",
-                        self.keep,
+                        "retention (keep=%s) cannot delete step %d, which stays committed: %s",
+                        self.policy,
                         step,
                         exc,
                     )
                 continue
             del committed[step]
             self._undeletable.discard(step)
-            log.info("deleted the checkpoint of step %d (keep=%d)", step, self.keep)
+            log.info("deleted the checkpoint of step %d (keep=%s)", step, self.policy)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +213,19 @@ class StepStore:
             self._committed[step] = marker
             raise
 
-    async def retire(self, retention: Retention, just_committed: int) -> None:
-        """Apply ``retention`` after ``just_committed`` was committed."""
-        await retention.retire(self._committed, just_committed, self.dir_fd, self.limiter)
+    async def retire(
+        self,
+        retention: Retention,
+        just_committed: int,
+        pinned: Collection[int] = (),
+        metrics: Mapping[int, Mapping[str, float]] | None = None,
+    ) -> None:
+        """Apply ``retention`` after ``just_committed`` was committed; ``pinned`` steps
+        (another tier still wants them) stay."""
+        await retention.retire(self._committed, just_committed, self.dir_fd, self.limiter, pinned, metrics)
+
+    def index(self) -> dict[int, Marker]:
+        """The live index of committed steps, for the remote tier, which heals steps into it
+        and reads what it must upload: it records and forgets steps only as this store
+        does (a step is in it exactly when its marker is durable)."""
+        return self._committed

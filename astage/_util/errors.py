@@ -148,6 +148,13 @@ class PersistError(AstageError, OSError):
     """
 
 
+class RemoteError(AstageError):
+    """The object store (the remote tier) refused or failed an operation: wrong
+    credentials, a missing bucket, a prefix owned by another run, or a transfer that kept
+    failing past its retries or its deadline.  The message names the store's URL (never a
+    credential), the operation and the key."""
+
+
 def describe(exc: BaseException) -> str:
     """``"TypeName: message"``: how a failure is named inside another error's message."""
     return f"{type(exc).__name__}: {exc}"
