@@ -7,8 +7,8 @@ record a tensor (~0.6 us each); :class:`HeaderCache` keeps the last plan and re-
 header of the same structure.
 
 A header's structure is exactly its *structure bytes*
-(:meth:`~astage._format.reader.CheckedPrefix.structure_key`): the tensor and dims tables,
-the storage table without its checksums, and the structure document (the tree and its
+(:meth:`~astage._format.reader.CheckedPrefix.structure_key`): the table counts, the tensor
+and dims tables, the storage table without its checksums, and the structure document (the tree and its
 DTensor notes).  Its values (the metadata and the scalar table) are parsed and checked
 every time, as a full parse checks them; scalars that changed are put into the kept plan
 at their places (:func:`astage._staging.recheck.iter_scalar_trails`), the containers above them
@@ -29,7 +29,7 @@ from .._util.collector import without_gc
 from .._util.errors import IntegrityError
 from .._util.timeslice import drive
 from .header_parser import parse_values
-from .reader import CheckedPrefix, check_prefix, load_document, parse_checked
+from .reader import CheckedPrefix, StructureKey, check_prefix, load_document, parse_checked
 from .scalars import changed_scalars, with_scalars
 from .spec import FileHeader, Segments
 
@@ -41,7 +41,7 @@ class _Kept:
     """A parsed header, with the structure bytes a later one must equal to share its plan."""
 
     header: FileHeader
-    key: bytes
+    key: StructureKey
     """The header's structure bytes."""
     charged: int
     """What the structure charged against the parse bound."""
@@ -56,7 +56,8 @@ class HeaderCache:
     header's plan for one of the same structure.
 
     Invalidation rule: the kept plan is re-used only for a header whose structure bytes
-    (tensor and dims tables, storage table less its checksums, structure document) equal
+    (table counts, tensor and dims tables, storage table less its checksums, structure
+    document) equal
     the kept header's byte for byte and whose parse budget covers what the kept structure
     charged; any other header is parsed in full and replaces it.
 
@@ -77,7 +78,7 @@ class HeaderCache:
         """
         prefix = check_prefix(data)
         kept = self._kept
-        if kept is not None and prefix.budget >= kept.charged and prefix.structure_key() == kept.key:
+        if kept is not None and prefix.budget >= kept.charged and prefix.has_structure(kept.key):
             reused = _reuse(kept, prefix)
             if reused is not None:
                 self.reused += 1

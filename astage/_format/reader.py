@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import crc32c
+import numpy as np
 
 from .._util.collector import without_gc
 from .._util.errors import IntegrityError
@@ -29,7 +30,7 @@ from .spec import (
     align_up,
     check_version,
 )
-from .tables import RawTables, split_tables
+from .tables import COUNTS, RawTables, split_tables
 
 
 def prefix_nbytes(fixed: bytes | bytearray | memoryview) -> int:
@@ -80,13 +81,42 @@ class CheckedPrefix:
     view: memoryview
     structure_at: slice
 
-    def structure_key(self) -> bytes:
-        """The bytes a header's plan is made from but for its scalar values: the tensor
-        and dims tables, the storage table without its checksums, the structure document."""
-        storages = self.tables.storages.copy()
-        storages["crc32c"] = 0
-        tables = [self.tables.tensors.tobytes(), self.tables.dims.tobytes(), storages.tobytes()]
-        return b"".join([*tables, self.view[self.structure_at]])
+    def structure_key(self) -> StructureKey:
+        """The parts of the prefix a header's plan is made from but for its scalar values:
+        the counts, the tensor table and the dims array, the storage table without its
+        checksums, the structure document (read from the prefix: valid after
+        :func:`parse_checked` too)."""
+        storages = self.tables.storages
+        structure = str(self.view[self.structure_at], "ascii")
+        return StructureKey(self._records(), storages["offset"].copy(), storages["nbytes"].copy(), structure)
+
+    def has_structure(self, key: StructureKey) -> bool:
+        """Whether this prefix's structure bytes are ``key``'s (before it is parsed)."""
+        storages = self.tables.storages
+        return (
+            self.structure == key.structure
+            and np.array_equal(storages["offset"], key.offsets)
+            and np.array_equal(storages["nbytes"], key.nbytes)
+            and self._records() == key.records
+        )
+
+    def _records(self) -> bytes:
+        """The counts, the tensor table and the dims array, as they lie in the prefix."""
+        tables = self.tables
+        at = self.structure_at.start - tables.nbytes
+        return bytes(self.view[at : at + COUNTS.size + tables.tensors.nbytes + tables.dims.nbytes])
+
+
+class StructureKey(NamedTuple):
+    """A header's structure bytes (:meth:`CheckedPrefix.structure_key`), kept to compare."""
+
+    records: bytes
+    """The counts, the tensor table and the dims array."""
+    offsets: np.ndarray[Any, Any]
+    nbytes: np.ndarray[Any, Any]
+    """The storage table's offset and length columns."""
+    structure: str
+    """The structure document."""
 
 
 def check_prefix(data: bytes | bytearray | memoryview) -> CheckedPrefix:
