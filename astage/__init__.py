@@ -8,7 +8,7 @@ only what a user needs (the reasons, name by name: "What is public and why" in d
 import logging as _logging
 
 from ._checkpointer.checkpointer import Checkpointer as Checkpointer
-from ._checkpointer.checkpointer import SaveHandle as SaveHandle
+from ._checkpointer.handle import SaveHandle as SaveHandle
 from ._checkpointer.interfaces import ReplicaSource as ReplicaSource
 from ._checkpointer.interfaces import Replicator as Replicator
 from ._checkpointer.interfaces import SaveEvent as SaveEvent

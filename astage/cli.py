@@ -7,9 +7,8 @@ is shown as itself and cannot break the output or drive the terminal.  Tables ar
 to a terminal width when the output is piped, and ``--json`` gives the same facts to
 programs.  Progress bars (on stderr) appear only on a terminal.
 
-The commit markers and the Checkpointer's layout are read through :mod:`astage._checkpointer.checkpointer`,
-the code :meth:`astage.Checkpointer.restore` trusts, so ``ls`` flags exactly the local copies
-a restore would refuse.
+The commit markers and the layout are read through the code that
+:meth:`astage.Checkpointer.restore` trusts, so ``ls`` flags exactly the copies it would refuse.
 """
 
 from __future__ import annotations
@@ -493,8 +492,11 @@ def _remote(command: str, url: str, verify: bool, as_json: bool) -> int:
     """``astage ls URL``: a remote tier's steps, complete or not, checked; ``astage inspect
     URL``: one object, downloaded (checked against its commit object) and shown as a file."""
     # obstore is an optional dependency (the ``remote`` extra): loaded only for a URL.
-    from ._remote import catalog
-
+    try:
+        from ._remote import catalog
+    except ImportError as exc:
+        print(f"astage {command}: a URL needs 'pip install astage[remote]' ({exc})", file=sys.stderr)
+        return 2
     if command == "inspect":
         with catalog.scratch_dir() as (path, _):
             name = anyio.run(catalog.download_object, url, path, as_json)
@@ -636,8 +638,7 @@ def _print_ls(doc: dict[str, Any]) -> None:
 
 def _bench_package() -> tuple[str, Path | None]:
     """The benchmarks' package, and the directory to run it from (a checkout) or ``None``."""
-    # A normal install ships them as astage._bench (see pyproject.toml); a checkout keeps
-    # them in the top-level benchmarks/ package beside astage/.
+    # Installed: astage._bench (pyproject.toml); a checkout: benchmarks/ beside astage/.
     if importlib.util.find_spec("astage._bench") is not None:
         return "astage._bench", None
     root = Path(astage.__file__).resolve().parent.parent
@@ -650,9 +651,8 @@ def bench_names() -> list[str]:
     """The benchmarks ``astage bench`` can run (``bench_NAME`` modules of the package)."""
     package, root = _bench_package()
     path = importlib.import_module(package).__path__ if root is None else [str(root / "benchmarks")]
-    return sorted(
-        m.name.removeprefix("bench_") for m in pkgutil.iter_modules(path) if m.name.startswith("bench_")
-    )
+    names = (m.name for m in pkgutil.iter_modules(path))
+    return sorted(name.removeprefix("bench_") for name in names if name.startswith("bench_"))
 
 
 def _run_bench(args: list[str], cwd: Path | None, env: dict[str, str], bar: Progress | None) -> int:

@@ -67,11 +67,11 @@ from .._util.errors import (
     ResourceError,
 )
 from .._util.frames import drop_frames
-from .._util.limits import INT64 as _INT64
-from .._util.limits import RANK_LIMIT as _RANK_LIMIT
 from .._util.resource import AsyncResource
 from .._util.validate import check_path
+from .arguments import check_arguments, check_step
 from .collective_restore import collective_restore
+from .handle import SaveHandle
 from .interfaces import EventKind, ReplicaSource, Replicator, SaveEvent, SaveStats
 from .local_restore import OnRead, ReadProgress, ReplicaPlaces, restore_local
 from .remote_restore import heal_newest, restore_across_tiers
@@ -83,123 +83,6 @@ log = logging.getLogger("astage.checkpointer")
 
 
 # -- the Checkpointer -----------------------------------------------------------------------
-
-
-class SaveHandle:
-    """A save that was staged: :meth:`wait` for its commit.
-
-    :ivar step: the step being saved.
-    :ivar checkpoint_id: the unique id recorded in its file and marker.
-    :ivar staging_seconds: how long ``save()`` kept the caller.
-    """
-
-    def __init__(self, job: Job, remote: RemoteTier | None = None) -> None:
-        self._job = job
-        self._remote = remote
-        self.step = job.step
-        self.checkpoint_id = job.checkpoint_id
-        self.staging_seconds = job.staging_seconds
-
-    @property
-    def done(self) -> bool:
-        """Whether the save has finished (committed or failed)."""
-        return self._job.done.is_set()
-
-    @property
-    def stats(self) -> SaveStats | None:
-        """The stats once committed, else ``None``."""
-        return self._job.stats
-
-    @property
-    def durable_at(self) -> float | None:
-        """When the save became durable (``time.perf_counter()``), as soon as it has, even
-        before the event loop has had a turn to hear of it; ``None`` until then."""
-        return self._job.durable_at
-
-    async def wait(self) -> SaveStats:
-        """Wait until this save is committed.
-
-        A failure raised here is not raised again by the Checkpointer's ``save``/``wait``.
-
-        :returns: the save's stats.
-        :raises PersistError: the save failed and was not committed (names the step).
-        """
-        await self._job.done.wait()
-        if self._job.stats is None:
-            self._job.reported = True
-            assert self._job.error is not None
-            raise self._job.error
-        return self._job.stats
-
-    async def uploaded(self) -> UploadStats | None:
-        """Wait until this save is committed and uploaded to the remote tier.
-
-        :returns: the upload's stats, once this rank's commit object is durable on the
-            store; ``None`` without a remote tier or if the step was not picked for upload
-            (``Remote(every=...)``).
-        :raises PersistError: the save failed (nothing to upload).
-        :raises RemoteError: the upload failed (names the step).
-        """
-        await self.wait()
-        return None if self._remote is None else await self._remote.wait(self.step)
-
-    def __repr__(self) -> str:
-        state = "committed" if self.stats else ("failed" if self.done else "in flight")
-        return f"<SaveHandle step={self.step} {state}>"
-
-
-def _check_arguments(
-    stager: AsyncStager | None,
-    replication: Replicator | None,
-    keep: int | Policy | None,
-    max_in_flight: int,
-    rank: int,
-    on_progress: Callable[[SaveEvent], object] | None,
-    fallback_dirs: Iterable[str | os.PathLike[str]],
-    threads: int,
-) -> tuple[Path, ...]:
-    """Check the Checkpointer's arguments; the fallback directories as paths.
-
-    :raises ConfigurationError: an argument is out of range or of the wrong kind.
-    """
-    for name, value, lo in (
-        ("max_in_flight", max_in_flight, 1),
-        ("threads", threads, 1),
-        ("rank", rank, 0),
-    ):
-        if type(value) is not int or value < lo:
-            raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
-    if rank >= _RANK_LIMIT:
-        raise ConfigurationError(f"rank must be below 2**31, got {rank}")
-    if keep is not None and not isinstance(keep, Policy) and (type(keep) is not int or keep < 1):
-        raise ConfigurationError(f"keep must be an int >= 1, a retention policy or None, got {keep!r}")
-    if replication is not None and not isinstance(replication, Replicator):
-        raise ConfigurationError(
-            f"replication must have an async replicate_staged() method, got {type(replication).__name__}"
-        )
-    if on_progress is not None and not callable(on_progress):
-        raise ConfigurationError("on_progress must be callable")
-    # Only stage() is used on a stager passed in (it is not closed here).
-    if stager is not None and not callable(getattr(stager, "stage", None)):
-        raise ConfigurationError(
-            f"stager must be an astage stager (an async stage() method), got {type(stager).__qualname__}"
-        )
-    if isinstance(fallback_dirs, str | bytes | os.PathLike):
-        # A lone path would be iterated character by character.
-        raise ConfigurationError(
-            f"fallback_dirs must be an iterable of paths, got the single path {fallback_dirs!r}"
-        )
-    if not isinstance(fallback_dirs, Iterable):
-        raise ConfigurationError(
-            f"fallback_dirs must be an iterable of paths, got {type(fallback_dirs).__qualname__}"
-        )
-    return tuple(check_path(f"fallback_dirs[{i}]", d) for i, d in enumerate(fallback_dirs))
-
-
-def _check_step(step: object) -> int:
-    if type(step) is not int or not 0 <= step < _INT64:
-        raise ConfigurationError(f"step must be an int in [0, 2**63), got {step!r}")
-    return step
 
 
 class Checkpointer(AsyncResource):
@@ -255,7 +138,7 @@ class Checkpointer(AsyncResource):
         threads: int = 2,
         remote: Remote | str | None = None,
     ) -> None:
-        fallbacks = _check_arguments(
+        fallbacks = check_arguments(
             stager, replication, keep, max_in_flight, rank, on_progress, fallback_dirs, threads
         )
         self._store = StepStore(check_path("directory", directory), rank, threads)
@@ -425,7 +308,7 @@ class Checkpointer(AsyncResource):
 
     def step_dir(self, step: int) -> Path:
         """The directory of ``step``'s files."""
-        return self._store.step_dir(_check_step(step))
+        return self._store.step_dir(check_step(step))
 
     # -- saving --------------------------------------------------------------------------
 
@@ -454,7 +337,7 @@ class Checkpointer(AsyncResource):
         """
         task_group = self._check_open("save")
         self._raise_unreported()
-        _check_step(step)
+        check_step(step)
         try:
             checked_metrics = check_metrics(metrics)
         except IntegrityError as exc:
@@ -771,6 +654,9 @@ class Checkpointer(AsyncResource):
         newest valid replica of this rank's ``step`` is used: from the replication object's
         ``fetch_replica`` if it has one, then from ``fallback_dirs`` (a shared file system).
 
+        **Across tiers** (``remote=...``): a step the local tier lacks, or holds corrupt, is
+        downloaded from the store, verified against its commit object and committed locally.
+
         :param on_read: called on the event loop as ``on_read(bytes_done, bytes_total)``
             while the body is read or received, from ``(0, total)`` up to
             ``(total, total)``; a copy refused and replaced by another starts again from 0.
@@ -790,15 +676,18 @@ class Checkpointer(AsyncResource):
         if on_read is not None and not callable(on_read):
             raise ConfigurationError(f"on_read must be callable or None, not {type(on_read).__name__}")
         progress = ReadProgress(on_read)
-        lanes = read_lanes(self._threads)
         if into is None:
-            return await self._restore(
-                step, collective, progress, restore_loads(None, lanes, self._store.limiter)
-            )
-        destination = Destination(into)
+            loads = restore_loads(None, read_lanes(self._threads), self._store.limiter)
+            return await self._restore(step, collective, progress, loads)
+        return await self._restore_into(step, collective, progress, Destination(into))
+
+    async def _restore_into(
+        self, step: int | None, collective: bool | None, progress: ReadProgress, destination: Destination
+    ) -> Any:
+        """:meth:`restore` into ``destination``: planned first, its report on any exception."""
         try:
             await destination.plan()
-            loads = restore_loads(destination, lanes, self._store.limiter)
+            loads = restore_loads(destination, read_lanes(self._threads), self._store.limiter)
             return await self._restore(step, collective, progress, loads)
         except BaseException as exc:
             destination.annotate(exc)
@@ -810,7 +699,7 @@ class Checkpointer(AsyncResource):
         """:meth:`restore`, routed: collective, or local (own file, then replicas)."""
         if collective is None or collective:
             if isinstance(self._replication, ReplicationStager) and (collective or not self._fallback_dirs):
-                requested = None if step is None else _check_step(step)
+                requested = None if step is None else check_step(step)
                 if self._remote_tier is not None:  # the store's steps become local ones first
                     await heal_newest(self._remote_tier, self._store.index(), requested)
                 return await collective_restore(
@@ -819,12 +708,12 @@ class Checkpointer(AsyncResource):
             if collective:
                 raise ConfigurationError("restore(collective=True) needs replication=ReplicationStager(...)")
         if self._remote_tier is not None:
-            return await self._restore_tiers(None if step is None else _check_step(step), progress, loads)
+            return await self._restore_tiers(None if step is None else check_step(step), progress, loads)
         if step is None:
             step = self.latest()
             if step is None:
                 raise ResourceError(f"no committed checkpoint of rank {self.rank} in {self.directory}")
-        return await self._restore_one(_check_step(step), progress, loads)
+        return await self._restore_one(check_step(step), progress, loads)
 
     async def _restore_one(self, step: int, progress: ReadProgress, loads: RestoreLoads) -> Any:
         """``step`` from this rank's own file, else a replica (see :func:`restore_local`)."""
@@ -853,7 +742,7 @@ class Checkpointer(AsyncResource):
         self._check_open("wait_uploaded")
         if self._remote_tier is None:
             raise ConfigurationError("wait_uploaded() needs Checkpointer(remote=...)")
-        job = self._jobs.get(_check_step(step))
+        job = self._jobs.get(check_step(step))
         if job is not None:
             await job.done.wait()
             if job.error is not None:

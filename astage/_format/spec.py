@@ -222,7 +222,7 @@ class Segments(Sequence[Segment]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Segments):
-            return all(np.array_equal(a, b) for a, b in zip(self._all(), other._all(), strict=True))
+            return all(np.array_equal(a, b) for a, b in zip(self.arrays(), other.arrays(), strict=True))
         if isinstance(other, Sequence):
             return list(self.columns()) == [tuple(item) for item in other]
         return NotImplemented
@@ -233,7 +233,8 @@ class Segments(Sequence[Segment]):
     def __repr__(self) -> str:
         return f"Segments({list(self)!r:.200})"
 
-    def _all(self) -> tuple[np.ndarray[Any, Any], ...]:
+    def arrays(self) -> tuple[np.ndarray[Any, Any], ...]:
+        """The three columns as arrays: offsets, sizes, checksums."""
         return self.offsets, self.nbytes, self.crcs
 
 

@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from .._util.timeslice import Steps, distinct_in_slices, each_block, slice_over
+from . import guards
 from .plan import (
     AtomNode,
     DictNode,
@@ -42,14 +43,6 @@ from .plan import (
     TensorSpec,
     dtensor_class,
 )
-
-_TensorGuards: Any
-try:  # private to dynamo, so optional: without it every check is the Python one
-    from torch._C._dynamo import guards as _dynamo_guards
-
-    _TensorGuards = _dynamo_guards.TensorGuards
-except (ImportError, AttributeError):  # pragma: no cover - every torch this supports has it
-    _TensorGuards = None
 
 
 def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
@@ -492,18 +485,18 @@ def _arm_guards(fast: FastPlan, source: PlannedSource) -> Steps[None]:
     full check and the guards built on the stage's path made the first re-check twice as
     slow as the later ones).
     """
-    if _TensorGuards is None:
+    if not guards.AVAILABLE:
         return
     for start in range(0, len(source.tensors), _CHUNK):
         chunk = source.tensors[start : start + _CHUNK]
         expected = fast.signatures[start : start + len(chunk)]
         if tuple(id(type(t)) for t in chunk) == tuple(sig[0] for sig in expected):
-            _arm(fast.guards, start, chunk, expected, meta_only=False)
+            guards.arm(fast.guards, start, chunk, expected, meta_only=False)
         if slice_over():
             yield
 
 
-_CHUNK = 256
+_CHUNK = guards.CHUNK
 """Tensors checked together (one guard, one look at the clock) in :meth:`_Matcher.tensors`."""
 
 
@@ -650,8 +643,8 @@ class _Matcher:
                         return False
                 except Exception:  # not a tensor, or one with no storage (sparse, nested, ...)
                     return False
-                if _TensorGuards is not None:
-                    self.guard(start, chunk, expected)
+                if guards.AVAILABLE:
+                    guards.arm(self.guards, start, chunk, expected, self.meta_only)
             if slice_over():
                 yield
         return True
@@ -665,46 +658,7 @@ class _Matcher:
 
     def guarded(self, position: int, chunk: tuple[Any, ...]) -> bool:
         """Whether the chunk's guard passes it: a "no" only means "check it in full"."""
-        known = self.guards.get(position)
-        if known is None:
-            return False
-        guard, rest = known
-        try:
-            if not guard.check(*chunk):
-                return False
-            # What the guard does not see, a column at a time: each a ``map`` of a C
-            # method, no Python frame a tensor (~0.12 us a tensor less than a generator).
-            if tuple(map(_storage_offset, chunk)) != rest[0] or any(map(_attributes, chunk)):
-                return False
-            if self.meta_only:
-                return True
-            storages = tuple(map(_untyped_storage, chunk))
-            return tuple(map(_cdata, storages)) == rest[1] and tuple(map(_nbytes, storages)) == rest[2]
-        except Exception:  # another count of values, or a value that is not a tensor
-            return False
-
-    def guard(self, position: int, chunk: tuple[Any, ...], expected: tuple[tuple[Any, ...], ...]) -> None:
-        """Give a chunk that just passed the full check a guard built from its tensors."""
-        _arm(self.guards, position, chunk, expected, self.meta_only)
-
-
-def _arm(
-    guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]],
-    position: int,
-    chunk: Sequence[Any],
-    expected: tuple[tuple[Any, ...], ...],
-    meta_only: bool,
-) -> None:
-    """Arm the guard of the chunk at ``position``, built from ``chunk``, tensors whose
-    signatures are ``expected`` (they passed the full check, or the plan was made of them)."""
-    guard = _TensorGuards(
-        *chunk,
-        dynamic_dims_sizes=[list(sig[2]) for sig in expected],
-        dynamic_dims_strides=[list(sig[3]) for sig in expected],
-    )
-    # Columns: offsets, then (not for meta_only) storages and their sizes.
-    rest = tuple(tuple(sig[k] for sig in expected) for k in ((4,) if meta_only else (4, 8, 9)))
-    guards[position] = (guard, rest)
+        return guards.passes(self.guards, position, chunk, self.meta_only)
 
 
 def _unwrap_in_slices(columns: DTensorColumns, values: list[Any]) -> Steps[list[Any] | None]:
