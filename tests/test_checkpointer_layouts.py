@@ -25,7 +25,7 @@ import astage
 import astage._format.codec
 import astage._format.encoder
 import astage._format.layouts
-from astage._format.codec import FileLayout, iter_lay_out, lay_out
+from astage._format.codec import FileLayout, lay_out, lay_out_in_slices
 from astage._format.layouts import LayoutCache, PendingLayout
 from astage._util.timeslice import Steps
 from tests.helpers import (  # noqa: F401 - autouse fixture
@@ -291,9 +291,9 @@ async def test_repeated_saves_lay_out_once_and_restore_exactly(
 
     def counted(staged: Any, **kwargs: Any) -> Steps[FileLayout]:
         calls.append(kwargs["step"])
-        return iter_lay_out(staged, **kwargs)
+        return lay_out_in_slices(staged, **kwargs)
 
-    monkeypatch.setattr(astage._format.layouts, "iter_lay_out", counted)
+    monkeypatch.setattr(astage._format.layouts, "lay_out_in_slices", counted)
     state = model(0)  # trained in place, as model.state_dict() views the same storages
     saved: dict[int, Any] = {}
     async with astage.Checkpointer(tmp_path, keep=None) as ckpt:

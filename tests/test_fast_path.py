@@ -18,7 +18,7 @@ import torch
 import astage._staging.copies
 from astage import DefaultStager, StagingOptions, UnsupportedInputError
 from astage._staging.plan import plan_state_dict
-from astage._staging.recheck import iter_fast_plan, iter_match
+from astage._staging.recheck import fast_plan_in_slices, match_in_slices
 from astage._util.timeslice import drive
 from tests.helpers import collections_started, heartbeat_gaps, run_cancelled_at
 from tests.statedicts import assert_same_tree, bytes_equal, storage_key, tensors_of
@@ -526,25 +526,25 @@ async def test_every_change_after_a_warm_recheck_is_staged_faithfully(case: str)
 
 def test_a_plan_arms_the_guards_of_the_tensors_it_was_made_of() -> None:
     sd = run_like()
-    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    fast = drive(fast_plan_in_slices(plan_state_dict(sd)))
     assert fast is not None
     assert len(fast.guards) == 2  # the 301 tensors, in chunks of 256: the next stage is guarded
     armed = dict(fast.guards)
-    assert drive(iter_match(fast, sd)) == [*sd["layer"].values(), sd["step"]]
+    assert drive(match_in_slices(fast, sd)) == [*sd["layer"].values(), sd["step"]]
     assert fast.guards == armed  # they passed it: nothing re-armed
 
 
 def test_a_chunk_that_passed_the_full_check_is_guarded_next_time() -> None:
     sd = run_like()
-    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    fast = drive(fast_plan_in_slices(plan_state_dict(sd)))
     assert fast is not None
     fast.guards.clear()  # as a plan made where dynamo's guards were not at hand
-    assert drive(iter_match(fast, sd)) is not None
+    assert drive(match_in_slices(fast, sd)) is not None
     assert len(fast.guards) == 2  # the 301 tensors, in chunks of 256
     again = {"layer": dict(sd["layer"]), "step": sd["step"]}
-    assert drive(iter_match(fast, again)) == [*sd["layer"].values(), sd["step"]]
+    assert drive(match_in_slices(fast, again)) == [*sd["layer"].values(), sd["step"]]
     with torch.no_grad():  # another thread-local mode: the guard may refuse, the full check decides
-        assert drive(iter_match(fast, again)) is not None
+        assert drive(match_in_slices(fast, again)) is not None
 
 
 async def test_a_new_state_dict_object_of_the_same_model_reuses_the_copy() -> None:
@@ -622,7 +622,7 @@ async def test_a_cancelled_first_stage_leaves_the_collector_as_it_found_it() -> 
 
 def test_a_plan_signatures_are_atoms_the_collector_stops_tracking() -> None:
     sd = {"a": torch.randn(3), "b": torch.nn.Parameter(torch.randn(2, 2)), "c": torch.randn(3)}
-    fast = drive(iter_fast_plan(plan_state_dict(sd)))
+    fast = drive(fast_plan_in_slices(plan_state_dict(sd)))
     assert fast is not None
     for _ in range(2):  # a pass untracks a tuple whose items it has untracked already
         gc.collect()
@@ -630,8 +630,8 @@ def test_a_plan_signatures_are_atoms_the_collector_stops_tracking() -> None:
     # Storages of one size and device share one spec.
     assert fast.plan.storages[0] is fast.plan.storages[2]
     # The type, kept by id, still tells a Parameter from a plain tensor.
-    assert drive(iter_match(fast, dict(sd))) is not None
-    assert drive(iter_match(fast, {**sd, "a": torch.nn.Parameter(sd["a"])})) is None
+    assert drive(match_in_slices(fast, dict(sd))) is not None
+    assert drive(match_in_slices(fast, {**sd, "a": torch.nn.Parameter(sd["a"])})) is None
 
 
 # -- skip_unchanged -------------------------------------------------------------------------------

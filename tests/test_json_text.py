@@ -1,6 +1,6 @@
 """A header's tree JSON written in time slices is the very text one ``json.dumps`` writes.
 
-``iter_json_text`` splits the top levels and wide containers of a tree, and dumps runs of a
+``json_text_in_slices`` splits the top levels and wide containers of a tree, and dumps runs of a
 list's small items together; the checkpoint file, the kept layout's cut and the holder's
 cache all compare texts byte for byte, so any difference would be a different header.
 """
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astage._format.scalars import json_text
-from astage._format.tree_encoder import iter_json_text
+from astage._format.tree_encoder import json_text_in_slices
 from astage._util.timeslice import drive
 
 LEAVES = (
@@ -36,7 +36,7 @@ TREES = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(TREES)
 def test_the_sliced_text_is_the_one_call_text(tree: Any) -> None:
-    assert drive(iter_json_text(tree)) == json_text(tree)
+    assert drive(json_text_in_slices(tree)) == json_text(tree)
 
 
 def _node(n: int) -> list[Any]:
@@ -53,5 +53,5 @@ def test_a_header_shaped_tree_deep_and_wide_gives_the_same_text() -> None:
     deep = {"a": {"b": {"c": {"d": {"e": {"f": {"g": [1, {"h": None}]}}}}}}}
     dicts = deep | {"x": [{"k": i} for i in range(50)]}
     for value in (tree, wide_then_deep, dicts, {"dtensors": [], "tree": tree}):
-        assert drive(iter_json_text(value)) == json_text(value)
+        assert drive(json_text_in_slices(value)) == json_text(value)
         assert json.loads(json_text(value)) == value

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from astage import Checkpointer, DefaultStager
-from astage._staging.plan import iter_plan
-from astage._staging.recheck import iter_fast_plan
+from astage._staging.plan import plan_in_slices
+from astage._staging.recheck import fast_plan_in_slices
 from astage._util.collector import gc_paused
 from astage._util.timeslice import Steps, drive
 from tests.helpers import Beats, collections_started, heartbeat_gaps
@@ -163,7 +163,7 @@ def test_planning_ends_without_freeing_its_indexes_on_the_loop_in_one_go() -> No
     # were all freed at once when it returned: 6-12 ms for 50,000 tensors (measured),
     # against ~0.6 ms for the last slice now.
     sd: dict[str, Any] = {f"layer{i}": {"w": torch.empty(2), "b": torch.empty(1)} for i in range(25_000)}
-    source, slices = slices_cpu(iter_plan(sd))
+    source, slices = slices_cpu(plan_in_slices(sd))
     assert len(source.plan.tensors) == 50_000
     assert slices[-1] < 0.0025, sorted(slices)[-3:]
 
@@ -174,8 +174,8 @@ def test_the_fast_plan_of_an_optimizer_s_state_keeps_its_slices_short() -> None:
     # all tensors (7-10 ms over 50,000 in small dicts); measured now: ~2 ms at most.
     sd: dict[str, Any] = {f"layer{i}": {"w": torch.empty(2), "b": torch.empty(1)} for i in range(25_000)}
     sd["optim"] = {"param_groups": [{"params": list(range(50_000)), "lr": 0.1}]}
-    source, _ = slices_cpu(iter_plan(sd))
-    fast, slices = slices_cpu(iter_fast_plan(source))
+    source, _ = slices_cpu(plan_in_slices(sd))
+    fast, slices = slices_cpu(fast_plan_in_slices(source))
     assert fast is not None
-    assert len(fast.atoms.paths) == 50_001  # every int of `params`, and the learning rate
+    assert len(fast.atoms.nodes) == 50_001  # every int of `params`, and the learning rate
     assert max(slices) < 0.006, sorted(slices)[-3:]

@@ -78,15 +78,17 @@ class FillPlan:
     """For each storage of the file, the destination key paths of the tensors it fills."""
 
 
-def iter_places(plan: StagePlan) -> Steps[dict[KeyPath, int]]:
+def places_in_slices(plan: StagePlan) -> Steps[dict[KeyPath, int]]:
     """Every key path at which ``plan``'s tree holds a tensor, and that tensor's position,
     in the tree's order; a container met twice is counted at each of its places."""
     places: dict[KeyPath, int] = {}
-    yield from _iter_places(plan.root, (), {}, places)
+    yield from _places_in_slices(plan.root, (), {}, places)
     return places
 
 
-def _iter_places(node: Node, path: KeyPath, memo: dict[int, Node], places: dict[KeyPath, int]) -> Steps[None]:
+def _places_in_slices(
+    node: Node, path: KeyPath, memo: dict[int, Node], places: dict[KeyPath, int]
+) -> Steps[None]:
     if type(node) is TensorNode:
         places[path] = node.position
         return
@@ -100,7 +102,7 @@ def _iter_places(node: Node, path: KeyPath, memo: dict[int, Node], places: dict[
     elif isinstance(node, ObjectNode):
         children = [(v, (*path, Attr(k))) for k, v in node.fields]
     elif isinstance(node, RefNode):  # the container was walked (and remembered) before
-        yield from _iter_places(memo[node.memo], path, memo, places)
+        yield from _places_in_slices(memo[node.memo], path, memo, places)
         return
     else:
         return
@@ -108,7 +110,7 @@ def _iter_places(node: Node, path: KeyPath, memo: dict[int, Node], places: dict[
         if type(child) is TensorNode:
             places[child_path] = child.position
         else:
-            yield from _iter_places(child, child_path, memo, places)
+            yield from _places_in_slices(child, child_path, memo, places)
         if slice_over():
             yield
     memo[node.memo] = node  # as the planner numbers it: once its items are walked
@@ -145,14 +147,14 @@ def _leaf_name(kind: TensorKind) -> str:
     return "a numpy array" if kind is TensorKind.NDARRAY else "an io.BytesIO"
 
 
-def iter_match(file_plan: StagePlan, dest: PlannedSource, into: Any) -> Steps[FillPlan]:
+def match_in_slices(file_plan: StagePlan, dest: PlannedSource, into: Any) -> Steps[FillPlan]:
     """The :class:`FillPlan` of filling ``into`` (planned as ``dest``) from a file of ``file_plan``.
 
     :raises DestinationMismatchError: a tensor missing on either side, or of another dtype,
         shape or flags, or a destination that cannot be written faithfully.
     """
-    file_places = yield from iter_places(file_plan)
-    dest_places = yield from iter_places(dest.plan)
+    file_places = yield from places_in_slices(file_plan)
+    dest_places = yield from places_in_slices(dest.plan)
     problems: list[tuple[KeyPath, str]] = []
     assigned: dict[int, int] = {}  # destination position -> file position
     for path, fpos in file_places.items():
@@ -182,10 +184,10 @@ def iter_match(file_plan: StagePlan, dest: PlannedSource, into: Any) -> Steps[Fi
             yield
     if problems:
         raise DestinationMismatchError(problems)
-    return (yield from _iter_fill_plan(file_plan, dest, into, assigned, dest_places))
+    return (yield from _fill_plan_in_slices(file_plan, dest, into, assigned, dest_places))
 
 
-def _iter_fill_plan(
+def _fill_plan_in_slices(
     file_plan: StagePlan,
     dest: PlannedSource,
     into: Any,

@@ -43,14 +43,14 @@ from .._files.durable import blocking_io
 from .._files.reading import CheckpointFile
 from .._format.codec import FileHeader
 from .._staging.events import wait_event
-from .._staging.plan import PlannedSource, StagePlan, TensorSpec, iter_plan, supported_devices
+from .._staging.plan import PlannedSource, StagePlan, TensorSpec, plan_in_slices, supported_devices
 from .._staging.pool import BufferKind, BufferPool, Lease
 from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
 from .._util.collector import without_gc
 from .._util.errors import KeyPath, format_key_path, one_error
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, run_steps, within
-from .destination import FillPlan, Mode, StorageFill, iter_match, iter_places
+from .destination import FillPlan, Mode, StorageFill, match_in_slices, places_in_slices
 
 log = logging.getLogger("astage.checkpointer")
 
@@ -104,11 +104,11 @@ class Destination:
 
         :raises UnsupportedInputError: a value of ``into`` that cannot be planned, named.
         """
-        self.source, self.all_paths = await run_steps(self._iter_plan())
+        self.source, self.all_paths = await run_steps(self._plan_in_slices())
 
-    def _iter_plan(self) -> Steps[tuple[PlannedSource, list[KeyPath]]]:
-        source = yield from iter_plan(self.into, allowed_devices=supported_devices())
-        places = yield from iter_places(source.plan)
+    def _plan_in_slices(self) -> Steps[tuple[PlannedSource, list[KeyPath]]]:
+        source = yield from plan_in_slices(self.into, allowed_devices=supported_devices())
+        places = yield from places_in_slices(source.plan)
         return source, list(places)
 
     async def match(self, header: FileHeader) -> FillPlan:
@@ -117,11 +117,11 @@ class Destination:
         :raises DestinationMismatchError: before any byte of it is written.
         """
         assert self.source is not None, "plan() first"
-        return await run_steps(self._iter_match(header))
+        return await run_steps(self._match_in_slices(header))
 
-    def _iter_match(self, header: FileHeader) -> Steps[FillPlan]:
+    def _match_in_slices(self, header: FileHeader) -> Steps[FillPlan]:
         assert self.source is not None
-        fill = yield from iter_match(header.plan, self.source, self.into)
+        fill = yield from match_in_slices(header.plan, self.source, self.into)
         self.copies.append((fill, set(), set()))
         return fill
 

@@ -55,8 +55,8 @@ from .encoded import Encoded as Encoded
 from .encoder import FileLayout as FileLayout
 from .encoder import FileMeta as FileMeta
 from .encoder import encode as encode
-from .encoder import iter_lay_out as iter_lay_out
 from .encoder import lay_out as lay_out
+from .encoder import lay_out_in_slices as lay_out_in_slices
 from .reader import CheckedPrefix as CheckedPrefix
 from .reader import check_prefix as check_prefix
 from .reader import parse_checked as parse_checked

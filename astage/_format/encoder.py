@@ -25,7 +25,7 @@ from .._staging.plan import AtomNode, Node, Planner, StagePlan, TensorKind, Tens
 from .._util.collector import without_gc
 from .._util.errors import KeyPath, UnsupportedInputError
 from .._util.limits import RANK_LIMIT as _RANK_LIMIT
-from .._util.timeslice import Steps, drive, iter_drop, slice_over
+from .._util.timeslice import Steps, drive, drop_in_slices, slice_over
 from .body import in_blocks
 from .encoded import Encoded, StorageSegments, storage_columns, storage_views
 from .parse_bound import Tokens, joined_cost, note_cost, pad_spaces, scalars_cost, tables_cost, text_tokens
@@ -44,7 +44,7 @@ from .spec import (
     check_meta,
 )
 from .tables import COUNTS, STORAGE_RECORD, pack_tensor_table
-from .tree_encoder import TreeEncoder, all_storable, iter_json_text
+from .tree_encoder import TreeEncoder, all_storable, json_text_in_slices
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,16 +173,16 @@ def lay_out(staged_state_dict: Any, **meta: Unpack[FileMeta]) -> FileLayout:
     """Check a staged (CPU) state_dict against the format and lay it out (see :func:`encode`).
 
     Walks the tree once; pure Python, no checksums: about 6 us a tensor.  Async callers run
-    :func:`iter_lay_out` in slices on the loop instead (a worker thread would hold the GIL
+    :func:`lay_out_in_slices` in slices on the loop instead (a worker thread would hold the GIL
     from the loop up to the switch interval at a time, and buys nothing: this is Python).
 
     :raises UnsupportedInputError: as :func:`encode`.
     :raises ConfigurationError: as :func:`encode`.
     """
-    return drive(iter_lay_out(staged_state_dict, **meta))
+    return drive(lay_out_in_slices(staged_state_dict, **meta))
 
 
-def iter_lay_out(
+def lay_out_in_slices(
     staged_state_dict: Any,
     *,
     owner_rank: int,
@@ -199,10 +199,10 @@ def iter_lay_out(
     root = yield from planner.walk(staged_state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
     del root
-    structure = yield from _iter_structure(plan)
+    structure = yield from _structure_in_slices(plan)
     offsets, nbytes, end = _storage_offsets(plan)
     yield
-    tables = yield from _iter_tables(plan)
+    tables = yield from _tables_in_slices(plan)
     layout = FileLayout(
         owner_rank=owner_rank,
         holder_rank=holder_rank,
@@ -230,9 +230,9 @@ def iter_lay_out(
     # planner's list still holds its TensorSpecs, which that list then lets go a block at a time.
     del plan, structure
     yield
-    yield from iter_drop(nbytes)
-    yield from iter_drop(offsets)
-    yield from planner.iter_forget()
+    yield from drop_in_slices(nbytes)
+    yield from drop_in_slices(offsets)
+    yield from planner.forget_in_slices()
     return layout
 
 
@@ -246,7 +246,7 @@ class _Structure:
     charged: int
 
 
-def _iter_structure(plan: StagePlan) -> Steps[_Structure]:
+def _structure_in_slices(plan: StagePlan) -> Steps[_Structure]:
     """The structure document of ``plan`` (the tree and its DTensor notes) and its scalar
     table, every value checked, in time slices."""
     storable = True
@@ -269,7 +269,7 @@ def _iter_structure(plan: StagePlan) -> Steps[_Structure]:
             if slice_over():
                 yield
     yield
-    text = yield from iter_json_text({"dtensors": dtensors, "tree": tree})
+    text = yield from json_text_in_slices({"dtensors": dtensors, "tree": tree})
     del tree
     yield
     tokens = text_tokens(text.encode("ascii"))  # a few passes over the text
@@ -291,7 +291,7 @@ def _storage_offsets(plan: StagePlan) -> tuple[list[int], list[int], int]:
     return offset_list, nbytes, offset_list[-1] + nbytes[-1] if nbytes else 0
 
 
-def _iter_tables(plan: StagePlan) -> Steps[tuple[bytes, int]]:
+def _tables_in_slices(plan: StagePlan) -> Steps[tuple[bytes, int]]:
     """The tensor table and dims array of ``plan``, joined, and the number of dims entries."""
     tables: list[bytes] = []
     dims: list[bytes] = []

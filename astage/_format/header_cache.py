@@ -11,7 +11,7 @@ A header's structure is exactly its *structure bytes*
 and dims tables, the storage table without its checksums, and the structure document (the tree and its
 DTensor notes).  Its values (the metadata and the scalar table) are parsed and checked
 every time, as a full parse checks them; scalars that changed are put into the kept plan
-at their places (:func:`astage._staging.recheck.iter_scalar_trails`), the containers above them
+at their places (:func:`astage._staging.recheck.scalar_trails_in_slices`), the containers above them
 rebuilt.  The prefix itself (its length, checksum, padding and parse bound) is checked
 first, as always.  A header whose structure differs, or that a full parse might refuse, is
 parsed in full, so an error is raised exactly where ``parse_prefix`` raises it.
@@ -24,7 +24,7 @@ import logging
 from typing import Any
 
 from .._staging.plan import StagePlan
-from .._staging.recheck import Trail, iter_scalar_trails, plan_children
+from .._staging.recheck import Trail, plan_children, scalar_trails_in_slices
 from .._util.collector import without_gc
 from .._util.errors import IntegrityError
 from .._util.timeslice import drive
@@ -89,7 +89,7 @@ class HeaderCache:
         # The key is copied out of the prefix only now: the parse bound counts the text
         # once, so it must not be held twice through the parse.
         key = prefix.structure_key()
-        trails = drive(iter_scalar_trails(header.plan.root))
+        trails = drive(scalar_trails_in_slices(header.plan.root))
         scalars = tuple(_scalars(header.plan, trails))
         self._kept = _Kept(header, key, charged, scalars, trails)
         return header

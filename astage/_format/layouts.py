@@ -8,7 +8,7 @@ staged copy is the very same tree, refilled in place.
 
 So once a layout has been made (and the save's background task has time), the staged tree
 is planned and its plan kept in its checkable form (:class:`astage._staging.recheck.FastPlan`).  A
-later save matches its staged tree against that plan (:func:`astage._staging.recheck.iter_match`,
+later save matches its staged tree against that plan (:func:`astage._staging.recheck.match_in_slices`,
 about 1 us a tensor, time-sliced on the loop): container types, keys, non-tensor values,
 and every tensor's type, dtype, shape, stride, offset, flags and storage.  Where it
 matches, ``lay_out`` would return the same layout but for the metadata (step, checkpoint
@@ -25,7 +25,7 @@ serial ``StageStats.copy``), only the structure is walked, to collect the tensor
 storages' sizes are checked when the layout is completed; a mismatch (a copy changed after
 its release) sends the save back to a full lay-out, in the background.
 
-Scalars are data, not structure (as for the stager, :func:`astage._staging.recheck.iter_match`'s
+Scalars are data, not structure (as for the stager, :func:`astage._staging.recheck.match_in_slices`'s
 ``patches``): a learning rate or step count in the tree may change from save to save.  A
 patch names a scalar by its index in the file's scalar table
 (:class:`astage._staging.recheck.AtomSlots`), so a save whose tree differs only there gets
@@ -48,12 +48,12 @@ from typing import Any, Final
 
 import torch
 
-from .._staging.plan import iter_plan
+from .._staging.plan import plan_in_slices
 from .._staging.rebuild import plain_tensor_mode
-from .._staging.recheck import FastPlan, iter_fast_plan, iter_match
+from .._staging.recheck import FastPlan, fast_plan_in_slices, match_in_slices
 from .._util.limits import INT64, RANK_LIMIT
 from .._util.timeslice import Steps, drive, run_steps, slice_over, within
-from .codec import HEADER_CAP, FileLayout, iter_lay_out
+from .codec import HEADER_CAP, FileLayout, lay_out_in_slices
 from .scalars import json_text, scalar_json
 
 log = logging.getLogger("astage.layout_cache")
@@ -81,7 +81,7 @@ class _Kept:
     kept); else a changed scalar is laid out in full."""
 
 
-def _iter_slots_are_table(fast: FastPlan, layout: FileLayout) -> Steps[bool]:
+def _slots_are_table_in_slices(fast: FastPlan, layout: FileLayout) -> Steps[bool]:
     """Whether ``fast``'s atom slots number the scalars as ``layout``'s scalar table does:
     as many atoms as entries, and each slot's value the entry at its index (exactly), in
     time slices (an optimizer's ``params`` list is thousands of slots)."""
@@ -149,7 +149,7 @@ class LayoutCache:
     """Lays out one rank's staged copies, re-using the layout of the same structure.
 
     Invalidation rule: the kept layout is re-used only for a staged tree that
-    :func:`~astage._staging.recheck.iter_match` proves to have the kept plan (containers,
+    :func:`~astage._staging.recheck.match_in_slices` proves to have the kept plan (containers,
     keys, atoms, and every tensor's metadata and storage; for the very copy it was kept
     for, refilled in place by the stager, its containers, keys and atoms), where scalars
     may differ only at patch slots proven, when kept, to be the scalar table's indices,
@@ -197,7 +197,7 @@ class LayoutCache:
         the loop then waits for the GIL up to the switch interval (5 ms) at a time: the
         first save's heartbeat lagged through its whole layout (benchmarks/README.md).
         """
-        steps = iter_lay_out(staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id)
+        steps = lay_out_in_slices(staged, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id)
         return await run_steps(within(plain_tensor_mode, steps))
 
     async def finish(
@@ -262,7 +262,7 @@ class LayoutCache:
                 return dataclasses.replace(layout.layout, storages=storages)
             log.warning("a staged copy changed after its release; laying it out in full")
             made = layout.layout
-            steps = iter_lay_out(
+            steps = lay_out_in_slices(
                 staged, owner_rank=self._rank, step=made.step, checkpoint_id=made.checkpoint_id
             )
             layout = drive(within(plain_tensor_mode, steps), between)
@@ -278,7 +278,7 @@ class LayoutCache:
 
 def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept | None]:
     """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
-    source = yield from iter_plan(staged)
+    source = yield from plan_in_slices(staged)
     # Each walk over every tensor or storage below looks at the clock a block at a time.
     if len(source.plan.tensors) != layout.num_tensors or len(source.storages) != len(layout.storages):
         return None
@@ -287,7 +287,7 @@ def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept
             return None  # e.g. numpy arrays, which only the format's planner stores as tensors
         if not i & 1023 and slice_over():
             yield
-    fast = yield from iter_fast_plan(source)
+    fast = yield from fast_plan_in_slices(source)
     if fast is None:
         return None
     firsts: dict[int, int] = {}
@@ -295,7 +295,7 @@ def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept
         firsts.setdefault(spec.storage, position)
         if not position & 1023 and slice_over():
             yield
-    patchable = yield from _iter_slots_are_table(fast, layout)
+    patchable = yield from _slots_are_table_in_slices(fast, layout)
     layout = dataclasses.replace(layout, storages=())
     return _Kept(fast, layout, tuple(map(firsts.__getitem__, range(len(firsts)))), copy, patchable)
 
@@ -305,7 +305,7 @@ def _restamp(
 ) -> Steps[PendingLayout | None]:
     """The kept layout for ``staged`` and this save, or ``None`` if ``staged`` does not match."""
     patches: list[tuple[int, Any]] | None = [] if kept.patchable else None
-    sources = yield from iter_match(kept.fast, staged, walk_only=walk_only, patches=patches)
+    sources = yield from match_in_slices(kept.fast, staged, walk_only=walk_only, patches=patches)
     if sources is None:
         return None
     layout = dataclasses.replace(

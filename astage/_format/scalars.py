@@ -6,7 +6,7 @@ order a walk of the tree meets it (a dict's values, then its attributes; a seque
 items), into the header's scalar table; the tree refers to entry ``k`` by the int ``k``,
 and the ``k``-th leaf met is entry ``k``.  That index is the one name of a scalar: the
 stager's patch slots (:class:`astage._staging.recheck.AtomSlots`) number their scalars by
-the same walk (:func:`astage._staging.recheck.iter_scalar_trails`, which gives each its
+the same walk (:func:`astage._staging.recheck.scalar_trails_in_slices`, which gives each its
 place), the layout cache replaces an entry by it, and the holder's header cache puts a
 changed entry into a kept plan at that walk's trail (:func:`with_scalars`).
 
@@ -272,7 +272,7 @@ def changed_scalars(old: Sequence[Any], new: Sequence[Any]) -> list[int]:
 
 
 # -- putting changed scalars into a plan ---------------------------------------------------
-# (Each scalar's place is its trail: astage._staging.recheck.iter_scalar_trails, the walk
+# (Each scalar's place is its trail: astage._staging.recheck.scalar_trails_in_slices, the walk
 # that numbers them.)
 
 

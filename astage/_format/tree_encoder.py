@@ -2,7 +2,7 @@
 
 :class:`TreeEncoder` turns plan nodes into the structure's JSON tree (docs/format.md) and
 the scalar table beside it (:mod:`astage._format.scalars`), and refuses what a reader would
-refuse.  :func:`iter_json_text` writes the tree as ``json.dumps`` would, in time slices.
+refuse.  :func:`json_text_in_slices` writes the tree as ``json.dumps`` would, in time slices.
 Pure: no file, socket or thread.
 """
 
@@ -261,7 +261,7 @@ def _is_container(x: Any) -> bool:
     return type(x) is list or type(x) is dict
 
 
-def iter_json_text(x: Any, depth: int = 0) -> Steps[str]:
+def json_text_in_slices(x: Any, depth: int = 0) -> Steps[str]:
     """:func:`json_text` of a JSON tree, in time slices: in one call, the tree of an
     optimizer's thousands of small dicts holds the loop ~6 ms.  The same text: lists and
     dicts with ``str`` keys joined with the same separators, everything else dumped whole.
@@ -276,7 +276,7 @@ def iter_json_text(x: Any, depth: int = 0) -> Steps[str]:
     if type(x) is dict:
         members = []
         for key, value in x.items():
-            members.append(json_text(key) + ":" + (yield from iter_json_text(value, depth + 1)))
+            members.append(json_text(key) + ":" + (yield from json_text_in_slices(value, depth + 1)))
             if slice_over():
                 yield
         return "{" + ",".join(members) + "}"
@@ -287,7 +287,7 @@ def iter_json_text(x: Any, depth: int = 0) -> Steps[str]:
             if run:
                 items.append(json_text(run)[1:-1])
                 run = []
-            items.append((yield from iter_json_text(item, depth + 1)))
+            items.append((yield from json_text_in_slices(item, depth + 1)))
         else:
             run.append(item)
             if len(run) < _SPLIT_WIDTH:
@@ -302,7 +302,7 @@ def iter_json_text(x: Any, depth: int = 0) -> Steps[str]:
 
 
 def _splits(x: Any, depth: int) -> bool:
-    """Whether :func:`iter_json_text` splits ``x`` rather than dumping it whole."""
+    """Whether :func:`json_text_in_slices` splits ``x`` rather than dumping it whole."""
     if type(x) is list:
         children: Any = x
     elif type(x) is dict and all(type(key) is str for key in x):
@@ -313,10 +313,10 @@ def _splits(x: Any, depth: int) -> bool:
 
 
 _SPLIT_DEPTH: Final = 6
-"""Levels of a JSON tree :func:`iter_json_text` always splits (a header's tree: a node, its
+"""Levels of a JSON tree :func:`json_text_in_slices` always splits (a header's tree: a node, its
 values list, their nodes...: three state_dict levels)."""
 _SPLIT_WIDTH: Final = 32
-"""Items from which :func:`iter_json_text` splits a container at any depth."""
+"""Items from which :func:`json_text_in_slices` splits a container at any depth."""
 
 
 def all_storable(specs: Sequence[TensorSpec]) -> bool:

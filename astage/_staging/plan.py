@@ -48,7 +48,7 @@ from typing import Any, Final, NamedTuple, NoReturn, cast
 import torch
 
 from .._util.errors import Attr, KeyPath, UnsupportedInputError
-from .._util.timeslice import Steps, clear_in_slices, drive, iter_drop, slice_over
+from .._util.timeslice import Steps, clear_in_slices, drive, drop_in_slices, slice_over
 
 _first = operator.itemgetter(0)
 
@@ -381,7 +381,7 @@ class Planner:
             self.active.discard(id(x))
         return node
 
-    def iter_forget(self) -> Steps[None]:
+    def forget_in_slices(self) -> Steps[None]:
         """Empty the walk's indexes and lists (copied into the plan), in time slices.
 
         They hold an entry or two per tensor and storage: dropped with the planner at once,
@@ -398,7 +398,7 @@ class Planner:
             self.keepalive,
             self.streams,
         ):
-            yield from iter_drop(cast(list[Any], items))
+            yield from drop_in_slices(cast(list[Any], items))
 
     def _memo(self, x: object) -> int:
         memo = len(self.memo)
@@ -673,11 +673,12 @@ def supported_devices() -> frozenset[str]:
 def plan_state_dict(
     state_dict: Any, *, strict: bool = False, allowed_devices: frozenset[str] | None = None
 ) -> PlannedSource:
-    """Walk ``state_dict`` once and return its plan bound to its source tensors (see :func:`iter_plan`)."""
-    return drive(iter_plan(state_dict, strict=strict, allowed_devices=allowed_devices))
+    """Walk ``state_dict`` once and return its plan bound to its source tensors
+    (:func:`plan_in_slices`, run straight through)."""
+    return drive(plan_in_slices(state_dict, strict=strict, allowed_devices=allowed_devices))
 
 
-def iter_plan(
+def plan_in_slices(
     state_dict: Any, *, strict: bool = False, allowed_devices: frozenset[str] | None = None
 ) -> Steps[PlannedSource]:
     """Walk ``state_dict`` once, in time slices, and return its plan bound to its sources.
@@ -692,5 +693,5 @@ def iter_plan(
     root = yield from planner.walk(state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages), tuple(planner.streams))
     source = PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs))
-    yield from planner.iter_forget()
+    yield from planner.forget_in_slices()
     return source

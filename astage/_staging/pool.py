@@ -34,7 +34,7 @@ import torch
 
 from .._util.errors import CapacityError, ClosedError, ConfigurationError
 from .._util.threads import run_sync
-from .._util.timeslice import Steps, drive, each_block, iter_drop, run_steps
+from .._util.timeslice import Steps, drive, drop_in_slices, each_block, run_steps
 from .options import check_bool, check_positive_int, check_type
 
 log = logging.getLogger("astage.pool")
@@ -525,4 +525,4 @@ class BufferPool:
         # One at a time: freeing a buffer gives its memory back to the system (munmap) on
         # the thread that drops the last reference, holding the GIL; dropping a large pool
         # at once held the loop for tens of milliseconds.  Cancelled, the rest go at once.
-        await run_steps(iter_drop(doomed, block=1))
+        await run_steps(drop_in_slices(doomed, block=1))

@@ -2,7 +2,7 @@
 
 Planning 20,000 tensors costs more than copying them.  A later stage of a state_dict with
 the same structure re-uses the plan after checking, per tensor, everything the plan was
-derived from (:func:`iter_match`).  Object identity is never trusted: ``model.state_dict()``
+derived from (:func:`match_in_slices`).  Object identity is never trusted: ``model.state_dict()``
 returns new tensor objects (and new dicts) every call.  A DTensor (every FSDP2
 ``get_state_dict``, which returns new DTensors over the same local storages for parameters
 and the very same ones for optimizer state) is checked around its local tensor
@@ -119,7 +119,7 @@ def plan_children(node: Node) -> tuple[Node, ...]:
     return ()
 
 
-def iter_scalar_trails(root: Node) -> Steps[tuple[Trail, ...]]:
+def scalar_trails_in_slices(root: Node) -> Steps[tuple[Trail, ...]]:
     """Every atom's trail in a plan, numbered in walk order (a dict's values, then its
     attributes; a sequence's items; a container met again is a reference, not walked
     again), in time slices.  The one numbering of a plan's scalars: a checkpoint file's
@@ -138,6 +138,9 @@ def iter_scalar_trails(root: Node) -> Steps[tuple[Trail, ...]]:
                 stack.append((trail, nodes, i + 1))
                 stack.append(((*trail, i), plan_children(child), 0))
                 break
+            if not i & 1023 and slice_over():  # a long list (an optimizer's params) goes on later
+                stack.append((trail, nodes, i + 1))
+                break
         if slice_over():
             yield
     return tuple(out)
@@ -148,7 +151,7 @@ class AtomSlots:
     """Where a plan's patchable atoms sit: each one directly in a plain dict or a list (its
     *slot*), so a staged tree can take a new value in place (:func:`set_atoms`).
 
-    A slot is named by the atom's number in the walk of :func:`iter_scalar_trails` (every
+    A slot is named by the atom's number in the walk of :func:`scalar_trails_in_slices` (every
     atom counted): the index of its entry in a checkpoint file's scalar table, so a patch
     names the same scalar for the stager, the layout cache and the file, and its place is
     that walk's trail.  An atom in a tuple, or in an object's attributes, has no slot: a
@@ -192,7 +195,7 @@ class FastPlan:
     meta_guards: dict[int, tuple[Any, tuple[tuple[Any, ...], ...]]] = dataclasses.field(default_factory=dict)
     """The same for ``meta_only`` checks (a staged copy's tensors: offsets, no attributes)."""
     atoms: AtomSlots = AtomSlots({})
-    """The plan's patchable atoms (:func:`iter_match`'s ``patches``)."""
+    """The plan's patchable atoms (:func:`match_in_slices`'s ``patches``)."""
     storage_of: Sequence[int] = ()
     """Each planned tensor's storage index, in plan order (a column made once per plan)."""
     dtensors: DTensorColumns | None = None
@@ -283,7 +286,7 @@ _KEY_ATOMS = frozenset({str, int, bool, bytes, type(None)})
 
 class _SlotsMade:
     """:class:`AtomSlots` as :func:`_eligible` finds them: every atom numbered in walk order
-    (as :func:`iter_scalar_trails` numbers them), and the patchable ones given that number
+    (as :func:`scalar_trails_in_slices` numbers them), and the patchable ones given that number
     as their slot."""
 
     def __init__(self) -> None:
@@ -306,12 +309,18 @@ class _SlotsMade:
         if slots is not None and any(k >= 0 for k in slots):
             self.by_values[id(nodes)] = tuple(slots)
 
-    def iter_made(self, root: Node) -> Steps[AtomSlots]:
+    def made_in_slices(self, root: Node) -> Steps[AtomSlots]:
         """The slots, each with its trail (``{}`` where the walks disagree: no patches)."""
-        trails = yield from iter_scalar_trails(root)
+        trails = yield from scalar_trails_in_slices(root)
         if len(trails) != (1 if type(root) is AtomNode else self.count):
             return AtomSlots({})  # pragma: no cover - one walk order, counted twice
-        return AtomSlots(self.by_values, {k: trails[k] for k in self.nodes}, root, self.nodes, len(trails))
+        slot_trails: dict[int, Trail] = {}
+
+        def take(slots: Sequence[int]) -> None:
+            slot_trails.update(zip(slots, map(trails.__getitem__, slots), strict=True))
+
+        yield from each_block(list(self.nodes), take)
+        return AtomSlots(self.by_values, slot_trails, root, self.nodes, len(trails))
 
 
 def _eligible(
@@ -375,7 +384,7 @@ def _all_tensor_nodes(nodes: Sequence[Node]) -> bool:
     return set(map(type, nodes)) <= {TensorNode}
 
 
-def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
+def fast_plan_in_slices(source: PlannedSource) -> Steps[FastPlan | None]:
     """The checkable form of ``source``'s plan, or ``None`` where it cannot be re-checked."""
     plan = source.plan
     for i, spec in enumerate(plan.tensors):
@@ -389,7 +398,7 @@ def iter_fast_plan(source: PlannedSource) -> Steps[FastPlan | None]:
     slots = _SlotsMade()
     if not (yield from _eligible(plan.root, key_types, runs, slots)):
         return None
-    atoms = yield from slots.iter_made(plan.root)
+    atoms = yield from slots.made_in_slices(plan.root)
     cdata: list[int] = []
     yield from each_block(source.storages, lambda block: cdata.extend(map(_cdata, block)))
     signatures, meta_signatures = yield from _signatures(source, cdata)
@@ -713,7 +722,7 @@ _attributes = operator.attrgetter("__dict__")
 _storage_of = operator.attrgetter("storage")
 
 
-def iter_match(
+def match_in_slices(
     fast: FastPlan,
     state_dict: Any,
     *,

@@ -8,7 +8,7 @@ the record that knows that copy again when it is released again, and, with
 ``skip_unchanged``, what the last stage copied and the source storages it was planned from.
 
 The one rule: everything here belongs to the one plan ``fast``, and is re-checked each
-time it is used (a state_dict against the plan by :func:`~astage._staging.recheck.iter_match`,
+time it is used (a state_dict against the plan by :func:`~astage._staging.recheck.match_in_slices`,
 a released copy against its record, every address against an object kept alive);
 :meth:`Reuse.forget` drops all of it at once, when a stage meets another structure, when a
 kept copy is given up (a refill failed or was cancelled) and when the stager closes.
@@ -30,7 +30,7 @@ from .._util.timeslice import Steps, distinct_in_slices, each_block, slice_over
 from .copies import CopyLayout
 from .plan import StagePlan
 from .pool import Buffer, BufferPool
-from .recheck import AtomSlots, FastPlan, iter_match
+from .recheck import AtomSlots, FastPlan, match_in_slices
 
 
 class Reuse:
@@ -171,7 +171,7 @@ class Reuse:
         """``staged`` as a copy to refill, if it is one whole copy of ``fast``'s plan as it
         was handed out: same tree, tensors, metadata, over all of one copy's buffers."""
         off_plan: list[tuple[int, Any]] = []  # atoms the copy holds other values at than the plan
-        tensors = yield from iter_match(fast, staged, meta_only=True, patches=off_plan)
+        tensors = yield from match_in_slices(fast, staged, meta_only=True, patches=off_plan)
         if tensors is None:
             return None
         plan = fast.plan
@@ -437,7 +437,7 @@ def empty_all(tensors: list[torch.Tensor]) -> Steps[None]:
 def as_matched(
     fast: FastPlan | None, plan: StagePlan, rebuilt: list[torch.Tensor], locals_: list[torch.Tensor]
 ) -> Steps[list[torch.Tensor]]:
-    """A new copy's tensors as a re-check of it returns them (``iter_match``): the rebuilt
+    """A new copy's tensors as a re-check of it returns them (``match_in_slices``): the rebuilt
     tensors, but a DTensor's local tensor, which is what its staged storage is known by."""
     if fast is None or fast.plan is not plan or fast.dtensors is None:
         return rebuilt

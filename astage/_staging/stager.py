@@ -10,7 +10,7 @@ Invariants:
 * ``stage()`` returns a copy that later changes to the source never reach, and that the
   stager never overwrites until it is released (``release()``) or no longer referenced.
 * A later stage of the same structure re-uses the plan only after re-checking, per tensor
-  and per container, everything the plan was derived from (``_match.iter_match``), and
+  and per container, everything the plan was derived from (``_match.match_in_slices``), and
   refills a released copy of it in place (the same tree comes back).  A kept copy given up
   (a refill that fails or is cancelled, a new plan, ``aclose()``) is emptied as
   ``release()`` empties a copy it does not keep, so that a caller's variable naming it pins
@@ -69,10 +69,10 @@ from .options import (
     check_positive_int,
     coerce_options,
 )
-from .plan import PlannedSource, StagePlan, iter_plan, tensor_paths_in_slices
+from .plan import PlannedSource, StagePlan, plan_in_slices, tensor_paths_in_slices
 from .pool import BufferKind, BufferPool, Lease, PoolStats
 from .rebuild import Rebuilder, copy_streams, make_tensor, plain_tensor_mode
-from .recheck import iter_fast_plan, iter_match, set_atoms
+from .recheck import fast_plan_in_slices, match_in_slices, set_atoms
 from .reuse import Patches, Reuse, Spare, as_matched, empty_all, empty_tensor
 from .torch_api import refuse_torch_caller
 
@@ -357,7 +357,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         # into the staged tree, not a reason to plan again.
         patches: list[tuple[int, Any]] = []
         if fast is not None:
-            sources = await self._run(iter_match(fast, state_dict, patches=patches), makes_tensors=False)
+            sources = await self._run(match_in_slices(fast, state_dict, patches=patches), makes_tensors=False)
         layout = self._reuse.layout
         if sources is None or fast is None or layout is None:
             return await self._stage_first(state_dict, started)  # a new structure
@@ -374,10 +374,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
         plan first, whose buffers may be needed under the memory cap."""
         await self._forget_plan()
-        planning = iter_plan(state_dict, strict=self._strict)
+        planning = plan_in_slices(state_dict, strict=self._strict)
         source: PlannedSource = await self._run(planning, makes_tensors=False)
         layout = await self._run(copy_layout_in_slices(source.plan, source.tensors), makes_tensors=False)
-        fast = await self._run(iter_fast_plan(source), makes_tensors=False)
+        fast = await self._run(fast_plan_in_slices(source), makes_tensors=False)
         self._reuse.adopt(fast, layout, source.storages)
         return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
 

@@ -169,7 +169,7 @@ def distinct_in_slices(items: Sequence[object]) -> Steps[bool]:
     return not bool((ids[1:] == ids[:-1]).any())
 
 
-def iter_drop(items: list[Any], block: int = BLOCK) -> Steps[None]:
+def drop_in_slices(items: list[Any], block: int = BLOCK) -> Steps[None]:
     """Empty ``items`` from the end, a block at a time, in time slices: the last reference
     to many small records, dropped at once, frees them all in one go (milliseconds)."""
     while items:
