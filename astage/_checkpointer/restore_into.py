@@ -39,8 +39,7 @@ from .._files.body_reads import (
     read_pieces,
     storages_in_slices,
 )
-from .._files.durable import blocking_io
-from .._files.reading import CheckpointFile
+from .._files.reading import opened_checked
 from .._format.codec import FileHeader
 from .._staging.events import wait_event
 from .._staging.plan import PlannedSource, StagePlan, TensorSpec, plan_in_slices, supported_devices
@@ -461,17 +460,10 @@ async def fill_checkpoint_file(
     :raises IntegrityError: as ``load_checkpoint_file`` (the destination's state is tracked).
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(CheckpointFile, Path(path), dir_fd, limiter=limiter)
-    try:
-        header, _ = await blocking_io(f.header, limiter=limiter)
-        if check is not None:
-            check(header)
+    async with opened_checked(path, limiter=limiter, check=check, dir_fd=dir_fd) as (f, header):
         fill = await destination.match(header)
         reading = _Reading(f.fd, f.path, header, lanes, limiter, on_read)
         kept = await fill_body(reading, fill, destination)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await blocking_io(f.close, limiter=limiter)
     return await returned_tree(header, fill, kept)
 
 

@@ -51,7 +51,7 @@ from .._util.threads import run_sync
 from .._util.timeslice import Steps, run_steps, slice_over
 from . import durable
 from .durable import blocking_io
-from .reading import CheckpointFile
+from .reading import opened_checked
 
 log = logging.getLogger("astage.persist")
 
@@ -388,11 +388,7 @@ async def read_checkpoint_file(
     :raises IntegrityError: as ``load_checkpoint_file``.
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(CheckpointFile, Path(path), dir_fd, limiter=limiter)
-    try:
-        header, _ = await blocking_io(f.header, limiter=limiter)
-        if check is not None:
-            check(header)
+    async with opened_checked(path, limiter=limiter, check=check, dir_fd=dir_fd) as (f, header):
         body = await new_body(header.body_nbytes, limiter)
         sink = BodySink(header, body)
         pieces = await blocking_io(without_gc(pieces_of), header, limiter=limiter)
@@ -400,7 +396,4 @@ async def read_checkpoint_file(
             f.fd, header, pieces, sink, path=f.path, lanes=lanes, limiter=limiter, on_read=on_read
         )
         del sink
-    finally:
-        with anyio.CancelScope(shield=True):
-            await blocking_io(f.close, limiter=limiter)
     return await run_steps(rebuild_verified_in_slices(header, body))

@@ -168,6 +168,14 @@ def open_directory(directory: Path) -> int:
     return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
+def create_new(name: str, dir_fd: int) -> int:
+    """Create ``name`` in ``dir_fd`` for writing, owner-only; never an existing file or
+    through a link (``O_EXCL | O_NOFOLLOW``)."""
+    return os.open(
+        name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
+    )
+
+
 def _create_temp(open_dir: DirOpener, name: str) -> tuple[int, int]:
     """Open the directory and create the temp file ``name`` in it: ``(dir fd, file fd)``.
 
@@ -185,12 +193,7 @@ def _create_temp(open_dir: DirOpener, name: str) -> tuple[int, int]:
                 raise
             continue
         try:
-            fd = os.open(
-                name,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-                dir_fd=dir_fd,
-            )
+            fd = create_new(name, dir_fd)
         except FileNotFoundError:
             os.close(dir_fd)
             if attempt + 1 == _OPEN_RETRIES:

@@ -99,12 +99,28 @@ def _table_crc32c(body_nbytes: int, offsets: Any, nbytes: Any, crcs: Any) -> int
     return int(crc32c.crc32c(struct.pack("<Q", body_nbytes) + table.tobytes()))
 
 
-def _expect_int(doc: dict[str, Any], key: str, lo: int, hi: int) -> int:
+def json_document(data: bytes, what: str, fmt: str, version: int, keys: frozenset[str]) -> dict[str, Any]:
+    """An untrusted JSON document (a commit marker, a commit object on the store): parsed,
+    of format ``fmt`` and ``version``, with exactly the fields ``keys``.
+
+    :raises IntegrityError: anything else.
+    """
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(f"{what} is not valid JSON: {exc}") from exc
+    if type(doc) is not dict or doc.get("format") != fmt or doc.get("version") != version:
+        raise IntegrityError(f"{what}: not a version-{version} {fmt} document")
+    if set(doc) != keys:
+        raise IntegrityError(f"{what}: expected the fields {sorted(keys)}, got {sorted(doc)!r:.200}")
+    return doc
+
+
+def expect_int(doc: dict[str, Any], key: str, lo: int, hi: int, what: str = "commit marker") -> int:
+    """``doc[key]``, an int in ``[lo, hi)`` of an untrusted JSON document (``what``)."""
     value = doc.get(key)
     if type(value) is not int or not lo <= value < hi:
-        raise IntegrityError(
-            f"commit marker field {key!r}: expected an int in [{lo}, {hi}), got {value!r:.40}"
-        )
+        raise IntegrityError(f"{what} field {key!r}: expected an int in [{lo}, {hi}), got {value!r:.40}")
     return value
 
 
@@ -123,16 +139,7 @@ def parse_marker(data: bytes, *, step: int, rank: int) -> Marker:
     :raises IntegrityError: malformed, tampered, of another format, step or rank, or
         naming any other file.
     """
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise IntegrityError(f"commit marker is not valid JSON: {exc}") from exc
-    if type(doc) is not dict or doc.get("format") != MARKER_FORMAT or doc.get("version") != MARKER_VERSION:
-        raise IntegrityError(f"not a version-{MARKER_VERSION} {MARKER_FORMAT} marker")
-    if set(doc) != _MARKER_KEYS:
-        raise IntegrityError(
-            f"commit marker: expected the fields {sorted(_MARKER_KEYS)}, got {sorted(doc)!r:.200}"
-        )
+    doc = json_document(data, "commit marker", MARKER_FORMAT, MARKER_VERSION, _MARKER_KEYS)
     body = {key: value for key, value in doc.items() if key != "crc32c"}
     try:
         expected = marker_crc32c(body)
@@ -142,7 +149,7 @@ def parse_marker(data: bytes, *, step: int, rank: int) -> Marker:
         raise IntegrityError(
             f"commit marker checksum mismatch: it says {doc['crc32c']!r:.40}, the content gives {expected}"
         )
-    if _expect_int(doc, "step", 0, INT64) != step or _expect_int(doc, "rank", 0, RANK_LIMIT) != rank:
+    if expect_int(doc, "step", 0, INT64) != step or expect_int(doc, "rank", 0, RANK_LIMIT) != rank:
         raise IntegrityError(
             f"commit marker is for step {doc['step']} rank {doc['rank']}, not step {step} rank {rank}"
         )
@@ -160,7 +167,7 @@ def parse_marker(data: bytes, *, step: int, rank: int) -> Marker:
     if raw["name"] != data_name:
         raise IntegrityError(f"commit marker: names the file {raw['name']!r:.80}, not {data_name!r}")
     entry = FileEntry(
-        data_name, _expect_int(raw, "nbytes", 0, INT64), _expect_int(raw, "storages_crc32c", 0, 1 << 32)
+        data_name, expect_int(raw, "nbytes", 0, INT64), expect_int(raw, "storages_crc32c", 0, 1 << 32)
     )
     return Marker(step, rank, checkpoint_id, created, (entry,))
 

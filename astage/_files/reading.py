@@ -3,12 +3,13 @@ inspect it, find the replicas in a directory.  Every byte is verified before it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -154,6 +155,27 @@ class CheckpointFile:
             raise IntegrityError(f"{self.path}: {exc}") from exc
 
 
+@contextlib.asynccontextmanager
+async def opened_checked(
+    path: str | os.PathLike[str],
+    *,
+    limiter: anyio.CapacityLimiter | None,
+    check: Callable[[FileHeader], None] | None,
+    dir_fd: int | None,
+) -> AsyncIterator[tuple[CheckpointFile, FileHeader]]:
+    """``path`` opened (never through a link), its header read and passed to ``check``;
+    closed after the block, whatever ends it.  The one way every reader opens a file."""
+    f = await blocking_io(CheckpointFile, Path(path), dir_fd, limiter=limiter)
+    try:
+        header, _ = await blocking_io(f.header, limiter=limiter)
+        if check is not None:
+            check(header)
+        yield f, header
+    finally:
+        with anyio.CancelScope(shield=True):
+            await blocking_io(f.close, limiter=limiter)
+
+
 def _chunks(header: FileHeader, body: torch.Tensor) -> Iterator[tuple[memoryview, int]]:
     view = byte_view(body)
     for start in range(0, len(view), CHUNK_NBYTES):
@@ -184,20 +206,13 @@ async def load_checkpoint_file(
         tampered anywhere; or it is not a regular file (a link, a FIFO, a device).
     :raises OSError: the file cannot be opened or read.
     """
-    f = await blocking_io(CheckpointFile, Path(path), dir_fd, limiter=limiter)
-    try:
-        header, _ = await blocking_io(f.header, limiter=limiter)
-        if check is not None:
-            check(header)
+    async with opened_checked(path, limiter=limiter, check=check, dir_fd=dir_fd) as (f, header):
         body = torch.empty(header.body_nbytes, dtype=torch.uint8)
         for view, offset in _chunks(header, body):
             await blocking_io(f.read_into, view, offset, limiter=limiter)
             if on_read is not None:
                 on_read(len(view))
         return await blocking_io(f.decode, header, body, limiter=limiter)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await blocking_io(f.close, limiter=limiter)
 
 
 def load_checkpoint_file_sync(
@@ -237,17 +252,8 @@ def inspect_checkpoint_file(path: str | os.PathLike[str]) -> CheckpointFileInfo:
         header, st = f.header()
     finally:
         f.close()
-    return CheckpointFileInfo(
-        path=Path(path),
-        owner_rank=header.owner_rank,
-        holder_rank=header.holder_rank,
-        step=header.step,
-        checkpoint_id=header.checkpoint_id,
-        created=header.created,
-        nbytes=st.st_size,
-        mtime=st.st_mtime,
-        header=header,
-    )
+    ids = header.owner_rank, header.holder_rank, header.step, header.checkpoint_id, header.created
+    return CheckpointFileInfo(Path(path), *ids, st.st_size, st.st_mtime, header)
 
 
 def find_replicas(storage_dir: str | os.PathLike[str]) -> list[CheckpointFileInfo]:

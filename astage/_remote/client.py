@@ -33,7 +33,7 @@ import obstore
 import obstore.exceptions as obx
 from obstore.store import from_url
 
-from .._files.durable import temp_path_for
+from .._files.durable import create_new, temp_path_for
 from .._util.errors import IntegrityError, RemoteError
 
 if TYPE_CHECKING:
@@ -238,12 +238,7 @@ class RemoteClient:
         temp = temp_path_for(Path(name)).name
         fd = -1
         try:
-            fd = os.open(
-                temp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-                dir_fd=dir_fd,
-            )
+            fd = create_new(temp, dir_fd)
             got, running = 0, 0
             for piece in obstore.get(self.store, key).stream(min_chunk_size=self.chunk_nbytes):
                 if cancel.is_set():

@@ -27,7 +27,7 @@ import re
 from typing import Any, Final, Literal
 
 from .._files.directory import rank_file_names, step_dir_name, step_of_dir
-from .._files.markers import marker_crc32c
+from .._files.markers import expect_int, json_document, marker_crc32c
 from .._util.errors import IntegrityError
 from .._util.limits import INT64, RANK_LIMIT
 
@@ -133,12 +133,7 @@ class CommitObject:
 
 
 def _int(doc: dict[str, Any], key: str, lo: int, hi: int) -> int:
-    value = doc.get(key)
-    if type(value) is not int or not lo <= value < hi:
-        raise IntegrityError(
-            f"commit object field {key!r}: expected an int in [{lo}, {hi}), got {value!r:.40}"
-        )
-    return value
+    return expect_int(doc, key, lo, hi, "commit object")
 
 
 _KEYS: Final = frozenset(
@@ -164,14 +159,7 @@ def parse_commit(data: bytes, *, step: int, rank: int) -> CommitObject:
     """
     if len(data) > COMMIT_CAP:
         raise IntegrityError(f"commit object is over the {COMMIT_CAP}-byte cap")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise IntegrityError(f"commit object is not valid JSON: {exc}") from exc
-    if type(doc) is not dict or doc.get("format") != COMMIT_FORMAT or doc.get("version") != COMMIT_VERSION:
-        raise IntegrityError(f"not a version-{COMMIT_VERSION} {COMMIT_FORMAT} object")
-    if set(doc) != _KEYS:
-        raise IntegrityError(f"commit object: expected the fields {sorted(_KEYS)}, got {sorted(doc)!r:.200}")
+    doc = json_document(data, "commit object", COMMIT_FORMAT, COMMIT_VERSION, _KEYS)
     body = {key: value for key, value in doc.items() if key != "crc32c"}
     try:
         expected = marker_crc32c(body)
