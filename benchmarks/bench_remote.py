@@ -64,7 +64,7 @@ CONCURRENCY = 4
 def _remote(url: str, options: dict[str, Any], client_options: dict[str, Any]) -> Any:
     import astage
 
-    return astage.Remote(
+    return astage.remote.Remote(
         url, options=options, client_options=client_options, chunk_nbytes=CHUNK, max_concurrency=CONCURRENCY
     )
 

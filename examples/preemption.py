@@ -38,10 +38,10 @@ async def train(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
     opt = torch.optim.AdamW(model.parameters())
-    remote = astage.Remote(args.remote, every=args.upload_every, keep=astage.latest(2))
+    remote = astage.remote.Remote(args.remote, every=args.upload_every, keep=astage.retention.latest(2))
     preempted = anyio.Event()
     async with (
-        astage.Checkpointer(args.directory, keep=astage.latest(2), remote=remote) as ckpt,
+        astage.Checkpointer(args.directory, keep=astage.retention.latest(2), remote=remote) as ckpt,
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(watch_for_preemption, preempted)

@@ -4,9 +4,10 @@ A re-check compares every tensor of a later state_dict with its plan.  In Python
 signature tuple a tensor; dynamo's private C++ ``TensorGuards`` checks a chunk of tensors'
 class, dtype, device, sizes, strides and flags in one call.  A chunk that passed the full
 check once gets a guard; later stages try the guard first and fall back to the full check
-on any "no".  Measured on the staging benchmark (steady stage against the copy ceiling,
-in turns with a build without guards): 1.1-1.5x with guards against 2.0-3.2x without on
-small-20k and trainer-20k, at a first stage ~2x dearer (guards armed) and +6 MB of RSS;
+on any "no".  Measured on the staging benchmark (steady stage over the copy ceiling,
+medians of three turns against a build without guards, 20,000 tensors): 1.17 / 1.15 /
+1.93 with guards against 1.99 / 1.79 / 2.81 without (small-20k, trainer-20k,
+dtensor-20k); first stages differed within the noise of a loaded machine, RSS by +6 MB;
 steady stages are what a training job repeats, so the guards stay.  Private to dynamo, so
 optional: where torch lacks it, every check is the Python one.
 """
