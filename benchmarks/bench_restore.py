@@ -342,7 +342,7 @@ def gpu(scale: float, runs: int) -> int:
 def spawn(case: str, scale: float, method: str, root: Path) -> dict[str, Any]:
     flags = ("--scale", str(scale), "--root", str(root))
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_restore", "--child", method, *("--case", case), *flags],
+        [sys.executable, "-m", __spec__.name, "--child", method, *("--case", case), *flags],
         capture_output=True,
         text=True,
         check=False,
