@@ -217,3 +217,10 @@ def test_bench_restore_gpu_without_cuda_says_so_and_exits_cleanly() -> None:
     done = run_bench("bench_restore", "--gpu", "--quick", timeout=120)
     assert done.returncode == 0, done.stderr
     assert "no CUDA device" in done.stdout
+
+
+def test_bench_first_stage_gc_quick_reports_the_collections_of_first_and_steady_stages() -> None:
+    done = run_bench("bench_first_stage_gc", "--quick", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"steady_lag_max_ms", "steady_full_passes"} <= set(report)
