@@ -410,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--scale", type=float, default=None, help="size scale (1.0: 1.49 GB / 20,000 tensors)"
     )
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per method (median)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: scale 0.01, one run")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: scale 0.01, one run, the gpt2-adam input only"
+    )
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="only these inputs")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--gpu", action="store_true", help="restore(into=cuda) against a pinned copy_")
@@ -425,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gpu:
         return gpu(scale, max(runs, 2))
     payload: dict[str, Any] = {"environment": environment(), "scale": scale, "runs": runs, "cases": []}
-    for case in args.case or list(CASES):
+    for case in args.case or (["gpt2-adam"] if args.quick else list(CASES)):
         with tempfile.TemporaryDirectory(prefix=f"bench-restore-{case}-") as tmp:
             measured = measure(case, scale, runs, Path(tmp))
         payload["cases"].append(measured)

@@ -204,7 +204,7 @@ def test_bench_restore_quick_prints_every_method_and_the_targets(tmp_path: Path)
     assert "restore(into=) peak RSS growth" in done.stdout
     assert re.search(r"astage restore\(into=\) / safetensors \+ load_state_dict: [\d.]+x", done.stdout)
     payload = json.loads(out.read_text())
-    assert {c["case"] for c in payload["cases"]} == {"gpt2-adam", "small-20k"}
+    assert {c["case"] for c in payload["cases"]} == {"gpt2-adam"}  # quick: one input
     for case in payload["cases"]:
         into = case["results"]["astage restore(into=)"]
         assert into["seconds"] > 0
