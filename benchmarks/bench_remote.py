@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import obstore
 
 from .common import (
     PeakRss,
@@ -47,11 +48,6 @@ from .common import (
     median,
     small_tensors_state_dict,
 )
-
-try:
-    import obstore
-except ImportError:  # pragma: no cover - the remote extra is not installed
-    obstore = None
 
 CASES: dict[str, Callable[[float], dict[str, Any]]] = {
     "gpt2-like": gpt2_adam_state_dict,
@@ -206,9 +202,6 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="smallest sizes, one run (a smoke test)")
     args = parser.parse_args()
-    if obstore is None:
-        print("bench_remote: obstore is not installed (pip install 'astage[remote]'): skipped")
-        return
     scale = args.scale if args.scale is not None else (0.01 if args.quick else default_scale())
     runs = 1 if args.quick else args.runs
     url, options, client, stop = _target(args)
