@@ -50,12 +50,14 @@ from .common import (
     format_table,
     gpt2_adam_state_dict,
     median,
+    moe_adam_state_dict,
     percentile,
     small_tensors_state_dict,
 )
 
 CASES: dict[str, Callable[[float], dict[str, Any]]] = {
     "gpt2-adam": gpt2_adam_state_dict,
+    "moe-20k": moe_adam_state_dict,
     "small-20k": small_tensors_state_dict,
 }
 
