@@ -121,6 +121,42 @@ async def test_corrupt_object_on_the_store_is_never_restored(tmp_path: Path) -> 
         assert ckpt.steps() == []
 
 
+async def test_a_fresh_machine_restores_from_the_store_into_its_own_tensors(tmp_path: Path) -> None:
+    remote = astage.Remote("memory:///")
+    async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+        for step in (1, 2):
+            await (await ckpt.save(step, state(step))).uploaded()
+    model = {"w": torch.zeros(1000), "b": torch.zeros(1000, dtype=torch.int64), "step": 0}
+    w, b = model["w"], model["b"]
+    async with astage.Checkpointer(tmp_path / "fresh", remote=remote) as ckpt:
+        got = await ckpt.restore(into=model)
+        assert got["w"] is w and got["b"] is b  # the caller's own tensors, filled in place
+        assert_state(got, 2)
+        assert ckpt.steps() == [2]  # healed from the store, then read into the tensors
+        got = await ckpt.restore(step=1, into=model)  # a step only the store has
+        assert got["w"] is w
+        assert_state(got, 1)
+
+
+async def test_a_corrupt_store_copy_leaves_the_destination_untouched_and_says_so(tmp_path: Path) -> None:
+    remote = astage.Remote("memory:///")
+    async with astage.Checkpointer(tmp_path / "a", remote=remote) as ckpt:
+        await (await ckpt.save(1, state(1))).uploaded()
+    store = remote.client().store
+    data = bytearray(bytes(obstore.get(store, data_key(1, 0)).bytes()))
+    data[len(data) // 2] ^= 0xFF
+    obstore.put(store, data_key(1, 0), bytes(data))
+    model = {"w": torch.full((1000,), 7.0), "b": torch.full((1000,), 7, dtype=torch.int64), "step": 0}
+    async with astage.Checkpointer(tmp_path / "fresh", remote=remote) as ckpt:
+        with pytest.raises(astage.IntegrityError) as info:
+            await ckpt.restore(into=model)
+    # The download is verified before it is committed locally: no byte reached the tensors.
+    report = info.value.fill_report  # type: ignore[attr-defined]
+    assert report.filled == () and report.partial == ()
+    assert sorted(report.untouched) == [("b",), ("w",)]
+    assert bool((model["w"] == 7.0).all()) and bool((model["b"] == 7).all())
+
+
 async def test_wrong_credentials_and_missing_bucket_fail_at_once(
     s3_server: SeaweedS3, tmp_path: Path
 ) -> None:
