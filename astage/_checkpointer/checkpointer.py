@@ -58,6 +58,7 @@ from .._files.steps import StepStore
 from .._remote.config import Remote, as_remote
 from .._remote.layout import check_metrics
 from .._replication.stager import ReplicationStager
+from .._staging.plan import PlannedSource
 from .._staging.stager import AsyncStager, DefaultStager, StageStats
 from .._util.errors import (
     ClosedError,
@@ -372,23 +373,26 @@ class Checkpointer(AsyncResource):
         waited = time.perf_counter() - started
         stats: StageStats | None = None
         refilled: int | None = None
+        planned: PlannedSource | None = None
         stager = self._stager
         if isinstance(stager, DefaultStager) and type(stager).stage is DefaultStager.stage:
             # This stage's own stats, not the latest's (a subclass that overrides stage() is
-            # called through it).
-            staged, stats = await stager.stage_with_stats(state_dict)
+            # called through it), and the plan of a new structure's copy, which no one else
+            # holds: laying it out needs no walk of it (see astage._format.layouts).
+            staged, stats, planned = await stager.stage_planned(state_dict)
             # A copy it refilled in place, which it checked whole at its release, needs no
-            # new check of its tensors (see astage._format.layouts).
+            # new check of its tensors.
             refilled = stats.copy if stats.refilled else None
         else:
             staged = await stager.stage(state_dict)
             stats = getattr(stager, "last_stats", None)
         checkpoint_id = uuid.uuid4().hex
         try:
-            layout = await self._persister.lay_out(staged, step, checkpoint_id, refilled)
+            layout = await self._persister.lay_out(staged, step, checkpoint_id, refilled, planned)
         except BaseException:
-            staged = None  # given back by lay_out; the traceback keeps this frame
+            staged = planned = None  # given back by lay_out; the traceback keeps this frame
             raise
+        del planned  # the layout holds it, dropped with the staged copy
         return Job(
             step=step,
             checkpoint_id=checkpoint_id,

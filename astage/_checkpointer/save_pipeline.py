@@ -38,8 +38,9 @@ from .._files.markers import FileEntry, Marker, encoded_storages_crc32c
 from .._files.retention import discard_uncommitted
 from .._files.steps import StepStore
 from .._format.codec import Encoded, FileLayout
-from .._format.layouts import LayoutCache, PendingLayout
+from .._format.layouts import LayoutCache, PendingLayout, PlannedLayout
 from .._replication.stager import ReplicationStager
+from .._staging.plan import PlannedSource
 from .._staging.stager import AsyncStager, StageStats
 from .._util.errors import AstageError
 from .._util.frames import drop_frames, frames_dropped
@@ -62,8 +63,9 @@ class Job:
     stage_stats: StageStats | None
     previous: anyio.Event | None
     staged: Any = None
-    layout: FileLayout | PendingLayout | None = None
-    """Made in full (kept for later saves in the background), or a kept one re-used."""
+    layout: FileLayout | PendingLayout | PlannedLayout | None = None
+    """Made in full or from the stager's plan (kept for later saves in the background), or
+    a kept one re-used."""
     entry: FileEntry | None = None
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     written: bool = False
@@ -174,8 +176,13 @@ class Persister:
         replication object that needs the loop: its own ``replicate_staged``, or NCCL)."""
 
     async def lay_out(
-        self, staged: Any, step: int, checkpoint_id: str, refilled: int | None = None
-    ) -> FileLayout | PendingLayout:
+        self,
+        staged: Any,
+        step: int,
+        checkpoint_id: str,
+        refilled: int | None = None,
+        planned: PlannedSource | None = None,
+    ) -> FileLayout | PendingLayout | PlannedLayout:
         """Check the staged copy against the replica format and lay it out, before ``save()``
         returns: what the background task could not write is refused here, with its key
         path.  A copy of a structure laid out before re-uses that layout once checked
@@ -185,10 +192,11 @@ class Persister:
         """
         try:
             return await self._layouts.lay_out(
-                staged, step=step, checkpoint_id=checkpoint_id, refilled=refilled
+                staged, step=step, checkpoint_id=checkpoint_id, refilled=refilled, planned=planned
             )
         except BaseException as exc:
             drop_frames(exc)
+            planned = None
             with anyio.CancelScope(shield=True):
                 await self.give_back(staged, step)
             # This frame stays in the error's traceback: it must not keep the copy it gave

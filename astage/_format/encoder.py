@@ -21,7 +21,7 @@ import crc32c
 import numpy as np
 import torch
 
-from .._staging.plan import AtomNode, Node, Planner, StagePlan, TensorKind, TensorNode
+from .._staging.plan import AtomNode, Node, PlannedSource, Planner, StagePlan, TensorKind, TensorNode
 from .._util.collector import without_gc
 from .._util.errors import KeyPath, UnsupportedInputError
 from .._util.limits import RANK_LIMIT as _RANK_LIMIT
@@ -199,6 +199,40 @@ def lay_out_in_slices(
     root = yield from planner.walk(staged_state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages))
     del root
+    meta = FileMeta(owner_rank=owner_rank, step=step, checkpoint_id=checkpoint_id, holder_rank=holder_rank)
+    layout = yield from _plan_laid_out_in_slices(plan, tuple(planner.storage_objs), meta, created)
+    # What the walk made (a TensorSpec and more a tensor) dies here, a piece at a time, not
+    # all at once in one slice of the loop.  The plan goes first, while the
+    # planner's list still holds its TensorSpecs, which that list then lets go a block at a time.
+    del plan
+    yield
+    yield from planner.forget_in_slices()
+    return layout
+
+
+def lay_out_planned_in_slices(
+    staged: PlannedSource, *, owner_rank: int, step: int, checkpoint_id: str
+) -> Steps[FileLayout]:
+    """:func:`lay_out_in_slices` of a staged copy from the plan it was staged by, without
+    walking it: ``staged`` is the plan (:attr:`PlannedSource.plain`) bound to the copy's own
+    tensors and storages, and the tree is that plan's rebuild, untouched since.  The
+    layout is then the one :func:`lay_out` makes of the tree: its file plan would be this
+    plan (the storages on the CPU, where the layout does not look), and the structure and
+    the tables, which are made from the plan alone, check its values the same way.
+    """
+    assert staged.plain, "a plan whose rebuild may plan otherwise"
+    created = float(time.time())
+    check_meta(owner_rank, None, step, checkpoint_id, created)
+    meta = FileMeta(owner_rank=owner_rank, step=step, checkpoint_id=checkpoint_id, holder_rank=None)
+    return (yield from _plan_laid_out_in_slices(staged.plan, staged.storages, meta, created))
+
+
+def _plan_laid_out_in_slices(
+    plan: StagePlan, storages: tuple[torch.UntypedStorage, ...], meta: FileMeta, created: float
+) -> Steps[FileLayout]:
+    """The layout of the tree ``plan`` was made of, over ``storages`` (one per plan storage)."""
+    owner_rank, step, checkpoint_id = meta["owner_rank"], meta["step"], meta["checkpoint_id"]
+    holder_rank = meta.get("holder_rank")
     structure = yield from _structure_in_slices(plan)
     offsets, nbytes, end = _storage_offsets(plan)
     yield
@@ -214,7 +248,7 @@ def lay_out_in_slices(
         tables=tables[0],
         num_tensors=len(plan.tensors),
         num_dims=tables[1],
-        storages=tuple(planner.storage_objs),
+        storages=storages,
         offsets=tuple(offsets),
         nbytes=tuple(nbytes),
         body_nbytes=end,
@@ -225,14 +259,9 @@ def lay_out_in_slices(
     yield
     _check_widest_header(layout)
     yield
-    # What the walk made (a TensorSpec and more a tensor) dies here, a piece at a time, not
-    # all at once in one slice of the loop.  The plan goes first, while the
-    # planner's list still holds its TensorSpecs, which that list then lets go a block at a time.
-    del plan, structure
-    yield
+    del structure
     yield from drop_in_slices(nbytes)
     yield from drop_in_slices(offsets)
-    yield from planner.forget_in_slices()
     return layout
 
 

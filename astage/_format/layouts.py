@@ -48,12 +48,13 @@ from typing import Any, Final
 
 import torch
 
-from .._staging.plan import plan_in_slices
+from .._staging.plan import PlannedSource, plan_in_slices
 from .._staging.rebuild import plain_tensor_mode
 from .._staging.recheck import FastPlan, fast_plan_in_slices, match_in_slices
 from .._util.limits import INT64, RANK_LIMIT
 from .._util.timeslice import Steps, drive, run_steps, slice_over, within
 from .codec import HEADER_CAP, FileLayout, lay_out_in_slices
+from .encoder import lay_out_planned_in_slices
 from .scalars import json_text, scalar_json
 
 log = logging.getLogger("astage.layout_cache")
@@ -145,6 +146,16 @@ def _storages(
     return tuple(storages)
 
 
+@dataclasses.dataclass(eq=False)
+class PlannedLayout:
+    """A layout made from the plan the stager staged the copy by, with that plan: keeping
+    the layout for later saves then needs no walk of the copy either.  It holds the copy's
+    buffers: drop it with the staged copy."""
+
+    layout: FileLayout
+    planned: PlannedSource
+
+
 class LayoutCache:
     """Lays out one rank's staged copies, re-using the layout of the same structure.
 
@@ -170,11 +181,15 @@ class LayoutCache:
         step: int,
         checkpoint_id: str,
         refilled: int | None = None,
-    ) -> FileLayout | PendingLayout:
+        planned: PlannedSource | None = None,
+    ) -> FileLayout | PendingLayout | PlannedLayout:
         """Lay out ``staged`` as :func:`astage._format.codec.lay_out` would.
 
         :param refilled: the serial of the copy ``staged`` is, if the stager refilled that
             released copy in place (``StageStats.copy`` where ``StageStats.refilled``).
+        :param planned: the plan the stager staged ``staged`` by, bound to its tensors
+            (``DefaultStager.stage_planned``): with no kept layout for it, the layout is
+            made from that plan instead of a walk of the tree.
         :returns: a new layout (worth :meth:`keep`-ing), or the kept one for this save,
             pending its storages.
         :raises UnsupportedInputError: as ``lay_out``.
@@ -188,6 +203,11 @@ class LayoutCache:
             )
             if restamped is not None:
                 return restamped
+        if planned is not None:
+            steps = lay_out_planned_in_slices(
+                planned, owner_rank=self._rank, step=step, checkpoint_id=checkpoint_id
+            )
+            return PlannedLayout(await run_steps(steps), planned)
         return await self.lay_out_in_full(staged, step=step, checkpoint_id=checkpoint_id)
 
     async def lay_out_in_full(self, staged: Any, *, step: int, checkpoint_id: str) -> FileLayout:
@@ -203,7 +223,7 @@ class LayoutCache:
     async def finish(
         self,
         staged: Any,
-        layout: FileLayout | PendingLayout,
+        layout: FileLayout | PendingLayout | PlannedLayout,
         *,
         copy: int | None,
     ) -> FileLayout:
@@ -213,6 +233,10 @@ class LayoutCache:
         lay-out); one made in full is kept, with the serial ``copy`` of the staged copy, for
         the saves to come.
         """
+        planned = None
+        if isinstance(layout, PlannedLayout):
+            planned = layout.planned
+            layout = layout.layout
         if isinstance(layout, PendingLayout):
             completed = await layout.complete()
             if completed is not None:
@@ -220,13 +244,16 @@ class LayoutCache:
             layout = await self.lay_out_in_full(
                 staged, step=layout.layout.step, checkpoint_id=layout.layout.checkpoint_id
             )
-        await self.keep(staged, layout, copy)
+        await self.keep(staged, layout, copy, planned)
         return layout
 
-    async def keep(self, staged: Any, layout: FileLayout, copy: int | None = None) -> None:
+    async def keep(
+        self, staged: Any, layout: FileLayout, copy: int | None = None, planned: PlannedSource | None = None
+    ) -> None:
         """Keep ``layout`` (made by ``lay_out`` for ``staged``) for later trees of its structure.
 
         :param copy: the stager's serial of the copy ``staged`` is (``StageStats.copy``).
+        :param planned: ``staged``'s plan, if the layout was made from it (no walk then).
 
         Meant for the background: it plans ``staged`` (about as long as ``lay_out``).  A tree
         whose plan cannot be re-checked (tensors with attributes, custom
@@ -235,7 +262,7 @@ class LayoutCache:
         try:
             if not _fits_every_save(layout):
                 return
-            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy)))
+            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy, planned)))
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
             return
@@ -245,7 +272,7 @@ class LayoutCache:
     def finish_blocking(
         self,
         staged: Any,
-        layout: FileLayout | PendingLayout,
+        layout: FileLayout | PendingLayout | PlannedLayout,
         *,
         copy: int | None,
         between: Callable[[], object] | None = None,
@@ -253,6 +280,10 @@ class LayoutCache:
         """:meth:`finish` on the calling thread, a worker's: the same steps driven straight
         through (``between`` runs between two slices), so that a save's background half
         needs no turn of the event loop (see :mod:`astage._checkpointer.save_pipeline`)."""
+        planned = None
+        if isinstance(layout, PlannedLayout):
+            planned = layout.planned
+            layout = layout.layout
         if isinstance(layout, PendingLayout):
             try:
                 storages = drive(_storages(layout.sources, layout.firsts, layout.layout.nbytes), between)
@@ -268,7 +299,7 @@ class LayoutCache:
             layout = drive(within(plain_tensor_mode, steps), between)
         try:
             if _fits_every_save(layout):
-                kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy)), between)
+                kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy, planned)), between)
                 if kept is not None:
                     self._kept = kept
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
@@ -276,9 +307,12 @@ class LayoutCache:
         return layout
 
 
-def _plan_kept(staged: Any, layout: FileLayout, copy: int | None) -> Steps[_Kept | None]:
-    """``layout`` with the checkable plan of ``staged``, if the plan's storages are the layout's."""
-    source = yield from plan_in_slices(staged)
+def _plan_kept(
+    staged: Any, layout: FileLayout, copy: int | None, planned: PlannedSource | None
+) -> Steps[_Kept | None]:
+    """``layout`` with the checkable plan of ``staged`` (``planned``, or a walk of it), if the
+    plan's storages are the layout's."""
+    source = planned if planned is not None else (yield from plan_in_slices(staged))
     # Each walk over every tensor or storage below looks at the clock a block at a time.
     if len(source.plan.tensors) != layout.num_tensors or len(source.storages) != len(layout.storages):
         return None

@@ -306,6 +306,10 @@ class PlannedSource:
     plan: StagePlan
     tensors: tuple[torch.Tensor, ...]
     storages: tuple[torch.UntypedStorage, ...]
+    plain: bool = False
+    """Every node is a container, an atom or a tensor without attributes (no object, no
+    deep-copied leaf, no BytesIO): a rebuild of the tree over new storages plans again to
+    this very plan, but for the storages' devices."""
 
 
 def _slot_names(cls: type) -> list[str]:
@@ -359,6 +363,7 @@ class Planner:
         self.keepalive: list[object] = []
         self.rebuilds: dict[type, _Rebuild | str] = {}
         self.streams: list[BytesIONode] = []
+        self.plain = True  # see PlannedSource.plain
 
     def walk(self, x: Any, path: KeyPath) -> Steps[Node]:
         cls = type(x)
@@ -475,6 +480,7 @@ class Planner:
         fields: list[tuple[str, Node]] = list((yield from self._attrs(x, path)))
         for name, value in slot_values:
             fields.append((name, (yield from self.walk(value, (*path, Attr(name))))))
+        self.plain = False
         return ObjectNode(self._memo(x), cls, tuple(fields))
 
     def rebuild_of(self, x: Any, cls: type, slots: list[str]) -> _Rebuild | str:
@@ -522,6 +528,7 @@ class Planner:
         """The node of an ``io.BytesIO`` (checked by :func:`check_bytes_io`)."""
         node = BytesIONode(self._memo(x), x, path)
         self.streams.append(node)
+        self.plain = False
         return node
 
     def leaf(self, x: Any, cls: type, path: KeyPath) -> Node:
@@ -533,6 +540,7 @@ class Planner:
             copy.deepcopy(x)
         except Exception as exc:
             raise UnsupportedInputError(path, f"{cls.__qualname__} cannot be copied: {exc}") from exc
+        self.plain = False
         return CopyNode(x)
 
     def tensor(self, x: torch.Tensor, path: KeyPath) -> Steps[Node]:
@@ -571,7 +579,10 @@ class Planner:
             )
         sidx = self.storage_of(local, device)
         attrs = x.__dict__
-        attr_node = drive(self.walk(attrs, (*path, Attr("__dict__")))) if attrs else None
+        attr_node = None
+        if attrs:
+            attr_node = drive(self.walk(attrs, (*path, Attr("__dict__"))))
+            self.plain = False
         index = len(self.tensors)
         self.tensors.append(
             TensorSpec(
@@ -692,6 +703,6 @@ def plan_in_slices(
     planner = Planner(strict=strict, allowed_devices=allowed_devices or supported_devices())
     root = yield from planner.walk(state_dict, ())
     plan = StagePlan(root, tuple(planner.tensors), tuple(planner.storages), tuple(planner.streams))
-    source = PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs))
+    source = PlannedSource(plan, tuple(planner.sources), tuple(planner.storage_objs), planner.plain)
     yield from planner.forget_in_slices()
     return source

@@ -330,6 +330,16 @@ class DefaultStager(anyio.abc.AsyncResource):
         :attr:`last_stats` belongs to whichever stage finished last; with stages running
         concurrently, only these stats are surely this call's.
         """
+        staged, stats, _ = await self.stage_planned(state_dict)
+        return staged, stats
+
+    async def stage_planned(self, state_dict: Any) -> Staged:
+        """Like :meth:`stage_with_stats`, and also return, for a stage that planned a new
+        structure, its plan bound to the copy's own tensors and storages, where that plan is
+        :attr:`~astage._staging.plan.PlannedSource.plain`: what laying the copy out would
+        find by walking it (``None`` otherwise).  It holds the copy's buffers: drop it with
+        the copy, and trust it only while the copy is untouched.
+        """
         if self._closed:
             raise ClosedError("stage() called on a closed stager")
         with self._one_loop("stage()"):
@@ -349,7 +359,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             steps = within(plain_tensor_mode, steps)
         return await run_steps(steps) if self._resolved.async_copy else drive(steps)
 
-    async def _stage(self, state_dict: Any) -> tuple[Any, StageStats]:
+    async def _stage(self, state_dict: Any) -> Staged:
         started = clock()
         fast = self._reuse.fast
         sources: list[torch.Tensor] | None = None
@@ -370,7 +380,7 @@ class DefaultStager(anyio.abc.AsyncResource):
         del spare
         return await self._stage_new(fast.plan, layout, sources, started, patches=(fast.atoms, patches))
 
-    async def _stage_first(self, state_dict: Any, started: float) -> tuple[Any, StageStats]:
+    async def _stage_first(self, state_dict: Any, started: float) -> Staged:
         """Plan ``state_dict`` and stage it into new buffers; drop the copy kept for the old
         plan first, whose buffers may be needed under the memory cap."""
         await self._forget_plan()
@@ -379,7 +389,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         layout = await self._run(copy_layout_in_slices(source.plan, source.tensors), makes_tensors=False)
         fast = await self._run(fast_plan_in_slices(source), makes_tensors=False)
         self._reuse.adopt(fast, layout, source.storages)
-        return await self._stage_new(source.plan, layout, list(source.tensors), started, first=True)
+        return await self._stage_new(
+            source.plan, layout, list(source.tensors), started, first=True, carry=source.plain
+        )
 
     async def _stage_new(
         self,
@@ -389,8 +401,9 @@ class DefaultStager(anyio.abc.AsyncResource):
         started: float,
         *,
         first: bool = False,
+        carry: bool = False,
         patches: Patches | None = None,
-    ) -> tuple[Any, StageStats]:
+    ) -> Staged:
         """Stage into newly leased buffers and build a new tree over them (with ``patches``:
         the plan's atom slots and the changed scalars to put there)."""
         if self._resolved.async_copy and self._limiter is None:
@@ -401,7 +414,9 @@ class DefaultStager(anyio.abc.AsyncResource):
             lease = await self._pool.acquire([s.nbytes for s in plan.storages], limiter=self._limiter)
         except ClosedError as exc:
             raise ClosedError("the stager was closed while this stage() waited for staging buffers") from exc
-        return await self._fill_new(plan, layout, sources, lease, started, patches, planned=first)
+        return await self._fill_new(
+            plan, layout, sources, lease, started, patches, planned=first, carry=carry
+        )
 
     async def _fill_new(
         self,
@@ -413,8 +428,10 @@ class DefaultStager(anyio.abc.AsyncResource):
         patches: Patches | None,
         *,
         planned: bool,
-    ) -> tuple[Any, StageStats]:
-        """Copy into a new lease and build the tree over it; hand it out."""
+        carry: bool = False,
+    ) -> Staged:
+        """Copy into a new lease and build the tree over it; hand it out (with ``carry``,
+        with the plan bound to the copy's tensors and storages: see :meth:`stage_planned`)."""
         staged_locals: list[torch.Tensor] | None = None
         rebuilder: Rebuilder | None = None
         seen = self._reuse.see(sources)
@@ -436,6 +453,8 @@ class DefaultStager(anyio.abc.AsyncResource):
             self._pool.hand_out(lease)
             self._pool.reclaim()
             raise
+        # (Bound before the lease is handed out, which empties it.)
+        carried = PlannedSource(plan, tuple(staged_locals), tuple(lease.storages), True) if carry else None
         with anyio.CancelScope(shield=True):  # half handed out between its slices
             serial = await self._run(self._pool.hand_out_in_slices(lease), makes_tensors=False)
             rebuilt = cast(list[torch.Tensor], rebuilder.tensors)
@@ -456,11 +475,11 @@ class DefaultStager(anyio.abc.AsyncResource):
             copy=serial,
             planned=planned,
         )
-        return staged, stats
+        return staged, stats, carried
 
     async def _refill(
         self, sources: list[torch.Tensor], layout: CopyLayout, started: float, patches: list[tuple[int, Any]]
-    ) -> tuple[Any, StageStats]:
+    ) -> Staged:
         """Copy into the kept copy of the same plan, in place, and return its tree again,
         its atoms set to the sources' (``patches``, and the plan's values where the copy
         held others)."""
@@ -504,7 +523,7 @@ class DefaultStager(anyio.abc.AsyncResource):
             copy=spare.serial,
             refilled=True,
         )
-        return spare.tree, stats
+        return spare.tree, stats, None
 
     async def _copy(
         self,
@@ -722,6 +741,10 @@ def _side_streams(non_blocking: bool) -> dict[torch.device, Any]:
         return {}
     side = torch.Stream()
     return {side.device: side}
+
+
+Staged = tuple[Any, StageStats, PlannedSource | None]
+"""A staged copy, its stage's stats, and the plan it carries (see :meth:`DefaultStager.stage_planned`)."""
 
 
 class BlockingStager(DefaultStager):

@@ -26,7 +26,9 @@ import astage._format.codec
 import astage._format.encoder
 import astage._format.layouts
 from astage._format.codec import FileLayout, lay_out, lay_out_in_slices
+from astage._format.encoder import lay_out_planned_in_slices
 from astage._format.layouts import LayoutCache, PendingLayout
+from astage._staging.plan import PlannedSource
 from astage._util.timeslice import Steps
 from tests.helpers import (  # noqa: F401 - autouse fixture
     collections_started,
@@ -293,7 +295,12 @@ async def test_repeated_saves_lay_out_once_and_restore_exactly(
         calls.append(kwargs["step"])
         return lay_out_in_slices(staged, **kwargs)
 
+    def counted_planned(planned: PlannedSource, **kwargs: Any) -> Steps[FileLayout]:
+        calls.append(kwargs["step"])  # a new structure's copy, laid out from its stage's plan
+        return lay_out_planned_in_slices(planned, **kwargs)
+
     monkeypatch.setattr(astage._format.layouts, "lay_out_in_slices", counted)
+    monkeypatch.setattr(astage._format.layouts, "lay_out_planned_in_slices", counted_planned)
     state = model(0)  # trained in place, as model.state_dict() views the same storages
     saved: dict[int, Any] = {}
     async with astage.Checkpointer(tmp_path, keep=None) as ckpt:
