@@ -153,9 +153,11 @@ async def test_a_corrupt_store_copy_leaves_the_destination_untouched_and_says_so
             await ckpt.restore(into=model)
     # The download is verified before it is committed locally: no byte reached the tensors.
     report = info.value.fill_report  # type: ignore[attr-defined]
-    assert report.filled == () and report.partial == ()
+    assert report.filled == ()
+    assert report.partial == ()
     assert sorted(report.untouched) == [("b",), ("w",)]
-    assert bool((model["w"] == 7.0).all()) and bool((model["b"] == 7).all())
+    assert bool((model["w"] == 7.0).all())
+    assert bool((model["b"] == 7).all())
 
 
 async def test_wrong_credentials_and_missing_bucket_fail_at_once(
