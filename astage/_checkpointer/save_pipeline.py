@@ -92,6 +92,15 @@ class Job:
     """``time.perf_counter()`` when the marker (and so the whole save) became durable."""
 
 
+def _started(work: Callable[[], object] | None, name: str) -> threading.Thread | None:
+    """``work`` running on a new daemon thread (``None``: nothing to run)."""
+    if work is None:
+        return None
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class Abandoned(Exception):
     """A save's worker thread stopped because the save was cancelled (never reaches a user)."""
 
@@ -258,7 +267,7 @@ class Persister:
         layout, job.layout = job.layout, None
         assert layout is not None
         copy = job.stage_stats.copy if job.stage_stats is not None else None
-        layout = self._layouts.finish_blocking(
+        layout, keep = self._layouts.complete_blocking(
             job.staged, layout, copy=copy, between=functools.partial(self._between, job)
         )
         self._check(job)
@@ -268,11 +277,18 @@ class Persister:
         replication = self._blocking_replication
         box = [encoded]  # the one reference: it views the staged buffers, which go back
         del encoded
-        if replication is None:
-            entry = self._write_blocking(job, box.pop(), begin, post)
-            self._wait_turn(job)  # commit in save order
-        else:
-            entry = self._write_and_replicate_blocking(job, box, begin, post, replication)
+        # Keeping a new structure's layout for the saves to come is Python, and writing
+        # mostly waits on the disk: the one runs beside the other, not before it.
+        keeper = _started(keep, f"astage keep layout of step {job.step}")
+        try:
+            if replication is None:
+                entry = self._write_blocking(job, box.pop(), begin, post)
+                self._wait_turn(job)  # commit in save order
+            else:
+                entry = self._write_and_replicate_blocking(job, box, begin, post, replication)
+        finally:
+            if keeper is not None:
+                keeper.join()  # it reads the staged copy, which goes back after this
         self._check(job)
         job.marker = self._commit_blocking(job, entry)
 

@@ -41,6 +41,7 @@ can have, before a layout is kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -280,6 +281,22 @@ class LayoutCache:
         """:meth:`finish` on the calling thread, a worker's: the same steps driven straight
         through (``between`` runs between two slices), so that a save's background half
         needs no turn of the event loop (see :mod:`astage._checkpointer.save_pipeline`)."""
+        complete, keep = self.complete_blocking(staged, layout, copy=copy, between=between)
+        if keep is not None:
+            keep()
+        return complete
+
+    def complete_blocking(
+        self,
+        staged: Any,
+        layout: FileLayout | PendingLayout | PlannedLayout,
+        *,
+        copy: int | None,
+        between: Callable[[], object] | None = None,
+    ) -> tuple[FileLayout, Callable[[], None] | None]:
+        """The complete layout, and what keeps it for later saves (``None``: nothing to
+        keep), to be called on a worker thread: with the plan carried, keeping needs no
+        lay-out, so a save may run it beside its write, which waits on the disk."""
         planned = None
         if isinstance(layout, PlannedLayout):
             planned = layout.planned
@@ -290,21 +307,31 @@ class LayoutCache:
             finally:
                 layout.sources = []
             if storages is not None:
-                return dataclasses.replace(layout.layout, storages=storages)
+                return dataclasses.replace(layout.layout, storages=storages), None
             log.warning("a staged copy changed after its release; laying it out in full")
             made = layout.layout
             steps = lay_out_in_slices(
                 staged, owner_rank=self._rank, step=made.step, checkpoint_id=made.checkpoint_id
             )
             layout = drive(within(plain_tensor_mode, steps), between)
+        return layout, functools.partial(self._keep_blocking, staged, layout, copy, planned, between)
+
+    def _keep_blocking(
+        self,
+        staged: Any,
+        layout: FileLayout,
+        copy: int | None,
+        planned: PlannedSource | None,
+        between: Callable[[], object] | None,
+    ) -> None:
+        """:meth:`keep` on the calling thread."""
         try:
             if _fits_every_save(layout):
                 kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy, planned)), between)
                 if kept is not None:
                     self._kept = kept
-        except Exception as exc:  # only a lost speed-up: the next save is laid out in full
+        except Exception as exc:  # only a lost speed-up (or a save abandoned meanwhile)
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
-        return layout
 
 
 def _plan_kept(
