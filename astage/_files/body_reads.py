@@ -47,6 +47,7 @@ from .._staging.copies import usable_cores
 from .._staging.rebuild import make_tensor, rebuild_in_slices
 from .._util.collector import without_gc
 from .._util.errors import IntegrityError, one_error
+from .._util.frames import drop_frames
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, run_steps, slice_over
 from . import durable
@@ -163,6 +164,10 @@ class LaneReader:
     def finished(self) -> bool:
         return self.pos >= self.end and self.index >= len(self.pieces)
 
+    def close(self) -> None:
+        self.views.clear()
+        self.sink = _CLOSED
+
     def run(self, budget: int) -> int:
         """Read up to about ``budget`` bytes of the lane; the bytes read."""
         done = 0
@@ -275,21 +280,56 @@ async def read_pieces(
         else await run_sync(without_gc(split_lanes), pieces, begin, end, lanes, limiter=limiter)
     )
 
-    async def lane(reader: LaneReader) -> None:
-        while not reader.finished:
-            n = await run_sync(without_gc(reader.run), durable.CHUNK_NBYTES, limiter=limiter)
-            if on_read is not None and n:
-                on_read(n)
-
     readers = [LaneReader(fd, header.prefix_nbytes, run, sink, ledger, path) for run in runs]
-    if len(readers) == 1:
-        await lane(readers[0])
-        return ledger
+    await _run_lanes(readers, limiter, on_read)
+    return ledger
+
+
+class _Lane(Protocol):
+    @property
+    def finished(self) -> bool: ...
+
+    def run(self, budget: int) -> int: ...
+
+    def close(self) -> None:
+        """Let go of the memory read into (an idle worker thread keeps its last call, this
+        lane's method, until its next one)."""
+
+
+async def _run_lanes(
+    lanes: Sequence[_Lane], limiter: anyio.CapacityLimiter | None, on_read: Callable[[int], None] | None
+) -> None:
+    """Each lane in its own task, a worker-thread call of about a chunk at a time."""
+
+    async def lane(reader: _Lane) -> None:
+        try:
+            while not reader.finished:
+                n = await run_sync(without_gc(reader.run), durable.CHUNK_NBYTES, limiter=limiter)
+                if on_read is not None and n:
+                    on_read(n)
+        finally:
+            reader.close()
+
+    if len(lanes) == 1:
+        await lane(lanes[0])
+        return
     with one_error():
         async with anyio.create_task_group() as group:
-            for reader in readers:
+            for reader in lanes:
                 group.start_soon(lane, reader)
-    return ledger
+
+
+class _ClosedSink:
+    """The sink of a lane that ended: it reads no more."""
+
+    def dest(self, storage: int) -> memoryview:
+        raise AssertionError("a closed lane read on")
+
+    def verified(self, storage: int, view: memoryview) -> None:
+        raise AssertionError("a closed lane read on")
+
+
+_CLOSED: Final = _ClosedSink()
 
 
 class BodySink:
@@ -332,25 +372,31 @@ def rebuild_verified_in_slices(header: FileHeader, body: torch.Tensor) -> Steps[
     return tree
 
 
+MAP_MIN_BYTES: Final = 64 << 20
+"""From this size a restore without a destination maps the file (:func:`mapped_body`)
+instead of reading its body into a new buffer."""
+
 POPULATE_MIN_BYTES: Final = 64 << 20
 """From this size a body buffer has its pages faulted in before the read (:func:`new_body`)."""
 
-_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14 and later
+_MADV_POPULATE_READ: Final = 22  # Linux 5.14 and later
+_MADV_POPULATE_WRITE: Final = 23
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 if _libc is not None:
     _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     _libc.madvise.restype = ctypes.c_int
 
 
-def _populate(address: int, length: int) -> bool:
+def _populate(address: int, length: int, advice: int = _MADV_POPULATE_WRITE) -> bool:
     """Fault in the whole pages of ``[address, address + length)``, the GIL released (a
     ctypes call: ``mmap.madvise`` holds it); ``False`` where the kernel cannot (before
-    Linux 5.14): the read then faults them itself."""
+    Linux 5.14): the read then faults them itself.  ``_MADV_POPULATE_READ`` maps a file's
+    pages readable without copying them (a private mapping's write would)."""
     page = mmap.PAGESIZE
     start, end = -(-address // page) * page, (address + length) // page * page
     if _libc is None:
         return False
-    return end <= start or _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return end <= start or _libc.madvise(start, end - start, advice) == 0
 
 
 async def new_body(nbytes: int, limiter: anyio.CapacityLimiter | None) -> torch.Tensor:
@@ -388,12 +434,127 @@ async def read_checkpoint_file(
     :raises IntegrityError: as ``load_checkpoint_file``.
     :raises OSError: the file cannot be opened or read.
     """
-    async with opened_checked(path, limiter=limiter, check=check, dir_fd=dir_fd) as (f, header):
-        body = await new_body(header.body_nbytes, limiter)
-        sink = BodySink(header, body)
-        pieces = await blocking_io(without_gc(pieces_of), header, limiter=limiter)
-        await read_pieces(
-            f.fd, header, pieces, sink, path=f.path, lanes=lanes, limiter=limiter, on_read=on_read
-        )
-        del sink
-    return await run_steps(rebuild_verified_in_slices(header, body))
+    body: torch.Tensor | None = None
+    try:
+        async with opened_checked(path, limiter=limiter, check=check, dir_fd=dir_fd) as (f, header):
+            pieces = await blocking_io(without_gc(pieces_of), header, limiter=limiter)
+            if header.body_nbytes >= MAP_MIN_BYTES:
+                body = await blocking_io(mapped_body, f.fd, header, limiter=limiter)
+            if body is not None:
+                await verify_mapped(
+                    body, header, pieces, path=f.path, lanes=lanes, limiter=limiter, on_read=on_read
+                )
+            else:
+                body = await new_body(header.body_nbytes, limiter)
+                sink = BodySink(header, body)
+                await read_pieces(
+                    f.fd, header, pieces, sink, path=f.path, lanes=lanes, limiter=limiter, on_read=on_read
+                )
+                del sink
+        return await run_steps(rebuild_verified_in_slices(header, body))
+    except BaseException as exc:
+        # The body (a mapping of the file, or a buffer its size) goes now, not whenever the
+        # traceback's frames are let go.
+        body = None
+        drop_frames(exc)
+        raise
+
+
+async def verify_mapped(
+    body: torch.Tensor,
+    header: FileHeader,
+    pieces: Sequence[Piece],
+    *,
+    path: Path,
+    lanes: int,
+    limiter: anyio.CapacityLimiter | None,
+    on_read: Callable[[int], None] | None = None,
+) -> ReadLedger:
+    """Check a mapped body (:func:`mapped_body`) in place, ``lanes`` worker threads at once:
+    every storage's crc32c, every byte of padding zero.
+
+    :raises IntegrityError: the first mismatch; the other lanes stop after their current call.
+    """
+    ledger = ReadLedger()
+    runs = await run_sync(without_gc(split_lanes), pieces, 0, header.body_nbytes, lanes, limiter=limiter)
+    view = body.numpy().data
+    await _run_lanes([MappedLane(view, run, ledger, path) for run in runs], limiter, on_read)
+    return ledger
+
+
+# -- a body mapped, not read ----------------------------------------------------------------------
+
+
+def mapped_body(fd: int, header: FileHeader) -> torch.Tensor | None:
+    """The body of the file open at ``fd`` as a 1-D uint8 tensor over a private, writable
+    mapping of the file, or ``None`` where it cannot be mapped (the file is shorter than
+    its header says: reading it then says so).
+
+    Safe to hand out as the restored tensors' memory because astage never writes a file in
+    place: a file is written under a temporary name and renamed, and removed by unlink, and
+    a mapped file's pages outlive both.  The mapping is private: a write to a restored
+    tensor copies its page, and never reaches the file.  (A file truncated or rewritten in
+    place by something else would change, or fault, tensors over it: a reason to
+    ``restore(into=...)`` instead, which copies.)  The tensor holds the mapping; it is
+    unmapped once no tensor views it.
+    """
+    end = header.prefix_nbytes + header.body_nbytes
+    if os.fstat(fd).st_size < end or not header.body_nbytes:
+        return None
+    try:
+        mapping = mmap.mmap(fd, end, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
+    return torch.frombuffer(mapping, dtype=torch.uint8)[header.prefix_nbytes :]
+
+
+class MappedLane:
+    """One lane of a mapped body: checks its run in place, piece by piece (crc32c), padding
+    zero; each :meth:`run` a worker-thread call of about ``budget`` bytes, its pages mapped
+    in first by one call that leaves the GIL released."""
+
+    def __init__(self, body: memoryview, run: tuple[int, int, list[Piece]], ledger: ReadLedger, path: Path):
+        self.body, self.ledger, self.path = body, ledger, path
+        self.pos, self.end, self.pieces = run
+        self.index = 0  # the next piece to check
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(body)) if len(body) else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.pos >= self.end
+
+    def close(self) -> None:
+        self.body = memoryview(b"")
+        self.pos = self.end
+
+    def run(self, budget: int) -> int:
+        """Check the next pieces (about ``budget`` bytes, at least one) and the padding
+        before them; the body bytes checked."""
+        begin, first = self.pos, self.index
+        while self.index < len(self.pieces) and (self.index == first or self._reach() - begin < budget):
+            self.index += 1
+        stop = self.end if self.index == len(self.pieces) else self._reach()
+        _populate(self.address + begin, stop - begin, _MADV_POPULATE_READ)
+        pos = begin
+        for piece in self.pieces[first : self.index]:
+            self._zeros(pos, piece.start)
+            if crc32c.crc32c(self.body[piece.start : piece.start + piece.nbytes]) != piece.crc:
+                where = f"storage {piece.storage} (body bytes from {piece.start})"
+                raise IntegrityError(f"{self.path}: checksum mismatch in {where}")
+            self.ledger.verified.add(piece.storage)
+            self.ledger.nbytes += piece.nbytes
+            pos = piece.start + piece.nbytes
+        self._zeros(pos, stop)
+        self.pos = stop
+        return stop - begin
+
+    def _reach(self) -> int:
+        """Where the pieces checked so far end."""
+        last = self.pieces[self.index - 1]
+        return last.start + last.nbytes
+
+    def _zeros(self, begin: int, end: int) -> None:
+        for at in range(begin, end, BATCH_BYTES):
+            k = min(BATCH_BYTES, end - at)
+            if self.body[at : at + k] != _ZEROS[:k]:
+                raise IntegrityError(f"{self.path}: non-zero padding before body offset {end}")
