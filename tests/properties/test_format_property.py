@@ -373,3 +373,21 @@ def test_a_stage_of_what_a_walk_may_plan_otherwise_carries_no_plan() -> None:
     ):
         assert _laid_out_both_ways(state)[0] is None, state
     assert _laid_out_both_ways({"w": torch.ones(2), "n": [1, (2, 3)]})[0] is not None
+
+
+@pytest.mark.gpu
+def test_a_cuda_copy_laid_out_from_its_stage_plan_is_the_file_a_walk_of_it_makes() -> None:
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(8, 6, generator=gen).cuda()
+    state = {
+        "w": base,
+        "w_t": base.t(),
+        "row": base[2],
+        "p": torch.nn.Parameter(torch.randn(5, 3, generator=gen).cuda()),
+        "half": torch.randn(7, generator=gen).half().cuda(),
+        "cpu": torch.arange(4),
+        "step": 3,
+    }
+    from_plan, walked = _laid_out_both_ways(state)
+    assert from_plan is not None
+    assert from_plan == walked
