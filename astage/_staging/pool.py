@@ -23,18 +23,20 @@ import dataclasses
 import enum
 import itertools
 import logging
+import operator
 import sys
 import time
 import weakref
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import anyio
+import numpy as np
 import torch
 
 from .._util.errors import CapacityError, ClosedError, ConfigurationError
 from .._util.threads import run_sync
-from .._util.timeslice import Steps, drive, drop_in_slices, each_block, run_steps
+from .._util.timeslice import Steps, drive, drop_in_slices, each_block, give_turn, run_steps
 from .options import check_bool, check_positive_int, check_type
 
 log = logging.getLogger("astage.pool")
@@ -114,6 +116,21 @@ No record object wraps it: a pool of many small buffers would keep one more obje
 buffer for every full pass of the cyclic collector to rescan.  Which copy holds a
 handed-out buffer is kept by the pool, by the storage's ``_cdata``.
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """A request's sizes as an array, and how many buffers of each size it asks for
+    (ascending), made once per request at C speed."""
+
+    sizes: np.ndarray[Any, np.dtype[np.int64]]
+    counts: collections.Counter[int]
+
+    @classmethod
+    def of(cls, sizes: Sequence[int]) -> _Wanted:
+        arr = np.fromiter(sizes, np.int64, len(sizes))
+        distinct, counts = np.unique(arr, return_counts=True)
+        return cls(arr, collections.Counter(dict(zip(distinct.tolist(), counts.tolist(), strict=True))))
 
 
 @dataclasses.dataclass(eq=False)
@@ -271,28 +288,45 @@ class BufferPool:
 
     # -- acquiring ------------------------------------------------------------------------
 
-    def _free_can_serve(self, sizes: Sequence[int]) -> bool:
-        wanted = collections.Counter(sizes)
-        return all(len(self._free.get(n, ())) >= c for n, c in wanted.items())
+    def _free_can_serve(self, wanted: _Wanted) -> bool:
+        return all(len(self._free.get(n, ())) >= c for n, c in wanted.counts.items())
 
-    def _take(self, sizes: Sequence[int]) -> tuple[list[Buffer | None], int] | None:
-        """Reserve free buffers for ``sizes`` if the request fits now; else ``None``."""
-        wanted = collections.Counter(sizes)
-        missing = sum(n * max(0, c - len(self._free.get(n, ()))) for n, c in wanted.items())
+    def _take(self, wanted: _Wanted) -> tuple[list[Buffer | None], int, int] | None:
+        """Reserve free buffers for the request if it fits now: one per size, or ``None``
+        where one must be made; the bytes and the buffers to make.  ``None`` if it does
+        not fit.
+
+        At C speed, a size's bucket at a time, not a Python step a buffer: 20,000 buffers
+        taken one by one held the loop ~5 ms, and this runs in one loop step.
+        """
+        arr, wanted_counts = wanted.sizes, wanted.counts
+        missing = sum(n * max(0, c - len(self._free.get(n, ()))) for n, c in wanted_counts.items())
         if self.max_bytes is not None and self.total_bytes + missing > self.max_bytes:
-            self._evict(self.total_bytes + missing - self.max_bytes, wanted)
+            self._evict(self.total_bytes + missing - self.max_bytes, wanted_counts)
             if self.total_bytes + missing > self.max_bytes:
                 return None
-        taken: list[Buffer | None] = [None] * len(sizes)
-        if self._free:  # a first request finds nothing free: skip a lookup a buffer
-            for i, n in enumerate(sizes):
-                bucket = self._free.get(n)
-                if bucket:
-                    taken[i] = bucket.pop()
-                    self._free_bytes -= n
-                    self._leased_bytes += n
+        # Each distinct size's buffers (None where there are too few), in order of size,
+        # then put back in the request's order.
+        grouped: list[Buffer | None] = []
+        short = 0
+        for n, count in wanted_counts.items():  # ascending, as np.unique sorted them
+            bucket = self._free.get(n)
+            k = min(count, len(bucket)) if bucket else 0
+            if k:
+                assert bucket is not None
+                grouped += bucket[len(bucket) - k :]
+                del bucket[len(bucket) - k :]
+                self._free_bytes -= n * k
+                self._leased_bytes += n * k
+            grouped += itertools.repeat(None, count - k)
+            short += count - k
         self._reserved += missing
-        return taken, missing
+        if len(wanted_counts) <= 1 or bool((arr[1:] >= arr[:-1]).all()):
+            return grouped, missing, short  # already in the request's order
+        order = np.argsort(arr, kind="stable")
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        return list(operator.itemgetter(*back.tolist())(grouped)), missing, short
 
     def _evict(self, excess: int, keep: collections.Counter[int]) -> None:
         """Free idle buffers that this request cannot use, largest first."""
@@ -326,14 +360,18 @@ class BufferPool:
         ticket = object()
         self._queue.append(ticket)
         logged = False
+        wanted = _Wanted.of(sizes)
         try:
             while True:
                 self._check_open()
                 if self._queue[0] is ticket:
-                    if self._out and not self._free_can_serve(sizes):
+                    if self._out and not self._free_can_serve(wanted):
                         await run_steps(self.reclaim_in_slices())
+                        await give_turn()  # the last slice ran in this step: take in the next
                         self._check_open()
-                    got = self._take(sizes)
+                        if self._queue[0] is not ticket:
+                            continue
+                    got = self._take(wanted)
                     if got is not None:
                         break
                 if not logged and time.perf_counter() - started >= self._wait_log_seconds:
@@ -346,10 +384,12 @@ class BufferPool:
         finally:
             self._queue.remove(ticket)
             self._notify()  # the next in line may fit now
-        taken, missing = got
+        taken, missing, short = got
         waited = time.perf_counter() - started
         try:
-            fresh = await self._allocate([n for n, b in zip(sizes, taken, strict=True) if b is None], limiter)
+            fresh = await self._allocate(
+                [n for n, b in zip(sizes, taken, strict=True) if b is None] if short else [], limiter
+            )
         except BaseException:
             self._reserved -= missing
             self.give_back(Lease([b for b in taken if b is not None], 0, 0, 0.0))
@@ -357,11 +397,11 @@ class BufferPool:
         self._reserved -= missing
         self._allocated_ever += missing
         self._leased_bytes += missing  # the fresh buffers' sizes, summed
-        if fresh:
+        if fresh and short < len(taken):
             fresh_iter = iter(fresh)
             buffers = [next(fresh_iter) if b is None else b for b in taken]
         else:
-            buffers = cast(list[Buffer], taken)
+            buffers = fresh or cast(list[Buffer], taken)
         reused = len(sizes) - len(fresh)
         if waited > 0.001:
             log.debug("waited %.3fs for %d staging bytes", waited, need)

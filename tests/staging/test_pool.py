@@ -204,7 +204,9 @@ async def test_closing_a_big_pool_gives_the_loop_its_turn_while_it_frees() -> No
 async def test_taking_back_many_dropped_buffers_gives_the_loop_its_turn() -> None:
     # A staged copy of 20,000 tensors dropped by its holder (every reference gone, torch's
     # habit) comes back when the next stage asks for room: checking and moving 20,000
-    # buffers back at once held the loop ~30 ms.  Now a block at a time, in slices.
+    # buffers back at once held the loop ~30 ms.  Now a block at a time, in slices.  Then
+    # taking them, a Python step a buffer, held it ~10 ms in one step (thread CPU time,
+    # measured); now a size's bucket at a time, after a turn: ~3 ms.
     pool = BufferPool()
     sizes = [256] * 20_000
     lease = await pool.acquire(sizes)
@@ -219,4 +221,4 @@ async def test_taking_back_many_dropped_buffers_gives_the_loop_its_turn() -> Non
     beats = await heartbeat_gaps(next_stage)
     assert reused == [20_000]
     assert len(beats.busy) > 1, "the loop had its turns while the buffers came back"
-    assert max(beats.busy) < 0.015, sorted(beats.busy)[-3:]
+    assert max(beats.busy) < 0.006, sorted(beats.busy)[-3:]
