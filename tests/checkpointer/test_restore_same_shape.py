@@ -504,3 +504,20 @@ def test_a_lost_rank_gets_its_replica_into_a_tree_of_the_same_shape_at_a_glance(
     results = [r.unwrap() for r in run_group(2, collective_same_shape_target, str(tmp_path), 1, timeout=60)]
     for rank, value in enumerate(results):
         assert value == {"filled": True, "same_objects": True, "step": 1, "same_shape": True}, rank
+
+
+@pytest.mark.anyio
+async def test_a_restore_that_ends_before_any_copy_is_matched_names_every_tensor_untouched(
+    tmp_path: Path,
+) -> None:
+    """The tree is planned only for a copy that needs it: a restore that finds none still
+    names the caller's tensors in its report, in the tree's order."""
+    dest = like(every_dtype(7))
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(astage.ResourceError) as info:
+            await ckpt.restore(into=dest)
+    report: FillReport = info.value.fill_report  # type: ignore[attr-defined]
+    assert report.filled == ()
+    assert report.partial == ()
+    assert report.untouched == tuple(flat_tensors(dest))
+    assert any("0 tensor(s) filled, 0 written in part" in note for note in info.value.__notes__)
