@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import mmap
 import os
@@ -176,6 +177,7 @@ def child(case: str, scale: float, method: str, root: Path) -> dict[str, Any]:
     model = model_like(state_shape)
     del state_shape
     touch(model)
+    gc.collect()
     rss = PeakRss()
     started = time.perf_counter()
     result, lags = run_method(method, model, root)
