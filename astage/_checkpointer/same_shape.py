@@ -41,8 +41,8 @@ from .._staging.plan import (
     TensorSpec,
 )
 from .._util.errors import KeyPath
-from .._util.timeslice import Steps, each_block, slice_over
-from .destination import Mode, StorageFill
+from .._util.timeslice import Steps, drive, each_block, slice_over
+from .destination import Mode, StorageFill, places_in_slices
 
 _TENSORS: Final = frozenset({torch.Tensor, torch.nn.Parameter})
 _LEAVES: Final = frozenset(
@@ -86,11 +86,16 @@ class DirectFill:
     replaces them all (then they are what this fill says).
     """
 
-    def __init__(self, plan: StagePlan, tensors: list[torch.Tensor], positions: np.ndarray[Any, Any]) -> None:
+    def __init__(
+        self, plan: StagePlan, tensors: list[torch.Tensor], positions: np.ndarray[Any, Any], *, tied: bool
+    ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.positions = positions
+        self.tied = tied
+        """The file meets a tensor at several places: the report walks its tree for them."""
         self.records: list[StorageFill] | None = None
+        self.places: dict[int, list[KeyPath]] | None = None
 
     @property
     def storages(self) -> list[StorageFill]:
@@ -124,10 +129,19 @@ class DirectFill:
         return frozenset()  # the file holds no array or BytesIO
 
     def paths_of(self, s: int) -> Sequence[KeyPath]:
-        return (self.plan.tensors[int(self.positions[s])].key_path,)
+        position = int(self.positions[s])
+        if not self.tied:
+            return (self.plan.tensors[position].key_path,)
+        if self.places is None:
+            self.places = {}
+            for path, at in drive(places_in_slices(self.plan)).items():
+                self.places.setdefault(at, []).append(path)
+        return self.places[position]
 
     def tensor_paths(self) -> Sequence[KeyPath]:
-        # The trees have one shape, so the caller's tensors sit where the file's were met.
+        # The trees have one shape: the caller's tensors sit where the file's are met.
+        if self.tied:
+            return list(drive(places_in_slices(self.plan)))
         return list(map(_key_path, self.plan.tensors))
 
     def original(self, position: int) -> Any:
@@ -140,10 +154,13 @@ def same_shape_in_slices(plan: StagePlan, into: Any) -> Steps[DirectFill | str]:
     walked = yield from _walk_in_slices(plan.root, into)
     if isinstance(walked, str):
         return walked
-    positions, tensors = walked.positions, walked.found
+    once = _once(walked.positions, walked.found)
+    if isinstance(once, str):
+        return once
+    positions, tensors, tied = once
     n = len(plan.tensors)
     if len(positions) != n:
-        return "the file holds a tensor at more than one place"
+        return "the file holds a tensor the walk did not meet (in an attribute)"
     if len(plan.storages) != n:
         return "the file holds a storage with more than one tensor"
     columns = _Columns(plan, positions, tensors)
@@ -153,7 +170,26 @@ def same_shape_in_slices(plan: StagePlan, into: Any) -> Steps[DirectFill | str]:
     if by_storage is None:
         return columns.problem
     order, positions_by_storage = by_storage
-    return DirectFill(plan, list(map(tensors.__getitem__, order.tolist())), positions_by_storage)
+    return DirectFill(plan, list(map(tensors.__getitem__, order.tolist())), positions_by_storage, tied=tied)
+
+
+def _once(positions: list[int], found: list[Any]) -> tuple[list[int], list[Any], bool] | str:
+    """Each tensor of the file once, with the caller's object there, and whether the file
+    meets one at several places (tied weights): the caller's tree must hold one object
+    at all of them."""
+    at = np.asarray(positions, np.int64)
+    order = np.argsort(at, kind="stable")
+    ranked = at[order]
+    again = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1
+    if not again.size:
+        return positions, found, False
+    for k in again.tolist():
+        if found[order[k]] is not found[order[k - 1]]:
+            return "the file holds one tensor where the destination holds two"
+    keep = np.ones(len(at), bool)
+    keep[again] = False
+    chosen = order[keep]
+    return at[chosen].tolist(), list(map(found.__getitem__, chosen.tolist())), True
 
 
 def _walk_in_slices(root: Node, into: Any) -> Steps[_SideBySide | str]:

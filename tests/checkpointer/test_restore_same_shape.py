@@ -324,9 +324,15 @@ CASES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], 
 }
 
 
+AT_A_GLANCE = {
+    "OrderedDict where the file holds a dict",  # a dict all the same: its keys are what count
+    "tied in both",  # one object where the file meets one tensor twice
+}
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", sorted(CASES))
-async def test_a_tree_not_of_the_files_shape_is_matched_by_key_path_with_the_same_outcome(
+async def test_a_tree_is_matched_at_a_glance_or_by_key_path_with_the_general_outcome(
     tmp_path: Path, case: str, matches: Callable[[], list[str]]
 ) -> None:
     make_source, change = CASES[case]
@@ -341,8 +347,8 @@ async def test_a_tree_not_of_the_files_shape_is_matched_by_key_path_with_the_sam
         else:
             with pytest.raises(type(expected)) as info:
                 await ckpt.restore(into=dest)
-    if case == "OrderedDict where the file holds a dict":
-        assert matches() == [SAME_SHAPE]  # a dict all the same: its keys are what count
+    if case in AT_A_GLANCE:
+        assert matches() == [SAME_SHAPE], case
     else:
         assert matches() == [BY_KEY_PATH], case
     if expected is not None:
@@ -387,6 +393,28 @@ async def test_a_corrupt_storage_on_the_fast_path_is_an_integrity_error_with_the
     assert any("1 tensor(s) filled, 1 written in part, 1 untouched" in n for n in info.value.__notes__)
     assert torch.equal(dest["model"]["w0"], source["model"]["w0"])
     assert elements(dest["model"]["w2"]) == elements(like(source)["model"]["w2"])  # untouched
+
+
+@pytest.mark.anyio
+async def test_a_corrupt_storage_with_tied_tensors_reports_every_place_of_each(
+    tmp_path: Path, matches: Callable[[], list[str]]
+) -> None:
+    g = torch.Generator().manual_seed(8)
+    emb, w, x = (torch.randn(1 << 20, generator=g) for _ in range(3))
+    source = {"emb": emb, "w": w, "head": emb, "x": x}  # "head" tied to "emb"
+    await saved(tmp_path, source)
+    flip_byte_of(tmp_path / "step_0000000001" / "rank00000.astage", (4 << 20) + 100)  # inside w
+    dest = like({"emb": emb, "w": w, "x": x})
+    dest = {"emb": dest["emb"], "w": dest["w"], "head": dest["emb"], "x": dest["x"]}
+    async with astage.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(astage.IntegrityError) as info:
+            await ckpt.restore(into=dest)
+    assert matches() == [SAME_SHAPE]
+    report: FillReport = info.value.fill_report  # type: ignore[attr-defined]
+    assert report.filled == (("emb",), ("head",))
+    assert report.partial == (("w",),)
+    assert report.untouched == (("x",),)
+    assert torch.equal(dest["head"], emb)
 
 
 @pytest.mark.anyio
