@@ -32,6 +32,7 @@ import torch
 
 from .._staging.plan import (
     AtomNode,
+    CopyNode,
     DictNode,
     Node,
     SeqNode,
@@ -41,7 +42,7 @@ from .._staging.plan import (
     TensorSpec,
 )
 from .._util.errors import KeyPath
-from .._util.timeslice import BLOCK, Steps, drive, each_block, slice_over
+from .._util.timeslice import BLOCK, Steps, distinct_in_slices, drive, each_block, slice_over
 from .destination import Mode, StorageFill, places_in_slices
 
 _TENSORS: Final = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -158,6 +159,8 @@ def same_shape_in_slices(plan: StagePlan, into: Any) -> Steps[DirectFill | str]:
     if isinstance(once, str):
         return once
     positions, tensors, tied = once
+    if not (yield from distinct_in_slices(tensors)):  # storages can tell only where they hold bytes
+        return "the destination holds one tensor where the file holds two"
     n = len(plan.tensors)
     if len(positions) != n:
         return "the file holds a tensor the walk did not meet (in an attribute)"
@@ -212,9 +215,13 @@ def _children(node: Node, value: Any) -> tuple[tuple[Node, ...], tuple[Any, ...]
     if type(node) is DictNode:
         if not isinstance(value, dict):
             return "a dict of the file is not one in the destination"
-        if node.keys != tuple(value):
-            return "the keys of a dict differ"
-        nodes, values = node.values, tuple(value.values())
+        if node.keys == tuple(value):
+            nodes, values = node.values, tuple(value.values())
+        else:
+            shared = _shared_keys(node, value)
+            if isinstance(shared, str):
+                return shared
+            nodes, values = shared
     else:
         assert type(node) is SeqNode
         if not isinstance(value, (list, tuple)) or len(value) != len(node.items):
@@ -227,6 +234,40 @@ def _children(node: Node, value: Any) -> tuple[tuple[Node, ...], tuple[Any, ...]
         nodes += tuple(child for _, child in node.attrs)
         values += tuple(state.values())
     return nodes, values
+
+
+def _shared_keys(node: DictNode, value: dict[Any, Any]) -> tuple[tuple[Node, ...], tuple[Any, ...]] | str:
+    """The children under the keys both dicts have, where the others hold no tensor (as
+    the general match ignores them) and the shared ones come in one order."""
+    mine, theirs = set(value), set(node.keys)
+    shared = [i for i, key in enumerate(node.keys) if key in mine]
+    keys = tuple(node.keys[i] for i in shared)
+    if keys != tuple(key for key in value if key in theirs):
+        return "the keys of a dict come in another order"
+    if any(
+        _holds_tensor(child) for key, child in zip(node.keys, node.values, strict=True) if key not in mine
+    ):
+        return "the file holds a tensor under a key the destination lacks"
+    if any(type(value[key]) not in _LEAVES for key in value if key not in theirs):
+        return "the destination holds a tensor or a container under a key the file lacks"
+    return tuple(node.values[i] for i in shared), tuple(map(value.__getitem__, keys))
+
+
+def _holds_tensor(node: Node) -> bool:
+    """Whether the file's subtree ``node`` may hold a tensor (a repeat, or an object: maybe)."""
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        kind = type(node)
+        if kind is DictNode:
+            todo += cast(DictNode, node).values
+            todo += (child for _, child in cast(DictNode, node).attrs)
+        elif kind is SeqNode:
+            todo += cast(SeqNode, node).items
+            todo += (child for _, child in cast(SeqNode, node).attrs)
+        elif kind is not AtomNode and kind is not CopyNode:
+            return True
+    return False
 
 
 DICTS: Final = "plain dicts"
@@ -291,10 +332,9 @@ class _SideBySide:
             dicts = cast("tuple[DictNode, ...]", nodes)
             if list(map(_node_attrs, dicts)).count(()) != len(dicts):
                 return "the attributes of a container differ"
-            if list(map(_node_keys, dicts)) != list(map(tuple, values)):
-                return "the keys of a dict differ"
-            return DICTS
-        if kind is DictNode or kind is SeqNode:
+            if list(map(_node_keys, dicts)) == list(map(tuple, values)):
+                return DICTS
+        if kind is DictNode or kind is SeqNode:  # each walked on its own (keys that differ)
             self.stack.extend(zip(nodes, values, strict=True))
             return None
         return "the file holds an object, a repeat or a BytesIO where the destination may hold a tensor"

@@ -228,6 +228,30 @@ def other_order(dest: dict[str, Any]) -> None:
     dest["a"] = dest.pop("a")  # the same keys, in another order
 
 
+def one_empty_twice(dest: dict[str, Any]) -> None:
+    dest["f"] = dest["e"]  # no storage bytes to tell them apart
+
+
+def empties_on_one_storage(dest: dict[str, Any]) -> None:
+    dest["e"], dest["f"] = (base := torch.zeros(0, 3)), base.view(0, 3)
+
+
+def empties_source() -> dict[str, Any]:
+    return {**base_source(), "e": torch.zeros(0, 3), "f": torch.zeros(0, 3)}
+
+
+def int_less(dest: dict[str, Any]) -> None:
+    del dest["n"]
+
+
+def extra_int(dest: dict[str, Any]) -> None:
+    dest["epoch"] = 3
+
+
+def extra_dict(dest: dict[str, Any]) -> None:
+    dest["scheduler"] = {"last_epoch": 3}
+
+
 def tensor_for_int(dest: dict[str, Any]) -> None:
     dest["n"] = torch.zeros(())
 
@@ -310,6 +334,11 @@ CASES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], 
     "other dtype": (base_source, other_dtype),
     "other shape": (base_source, other_shape),
     "keys in another order": (base_source, other_order),
+    "one empty tensor where the file holds two": (empties_source, one_empty_twice),
+    "two empty tensors on one storage": (empties_source, empties_on_one_storage),
+    "an int less": (base_source, int_less),
+    "an extra int": (base_source, extra_int),
+    "an extra dict of values": (base_source, extra_dict),
     "tensor where the file holds an int": (base_source, tensor_for_int),
     "string where the file holds a tensor": (base_source, string_for_tensor),
     "shorter nested list": (base_source, shorter_list),
@@ -327,6 +356,9 @@ CASES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], 
 AT_A_GLANCE = {
     "OrderedDict where the file holds a dict",  # a dict all the same: its keys are what count
     "tied in both",  # one object where the file meets one tensor twice
+    "an int less",  # keys that hold no tensor are not looked at
+    "an extra int",
+    "two empty tensors on one storage",  # nothing to write: each read whole, of 0 bytes
 }
 
 
