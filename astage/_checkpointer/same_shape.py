@@ -1,8 +1,9 @@
 """Match a destination that has the file's shape, at a glance: the common ``restore(into=)``.
 
 A caller restoring into its live model and optimizer hands over a tree with the same keys,
-containers and tensors as the one it saved, every tensor a plain CPU tensor or Parameter
-alone on its storage.  Then every storage of the file is read whole into one caller's
+containers and tensors as the one it saved (a key of plain values more or less, such as the
+step), every tensor a plain CPU tensor or Parameter alone on its storage (tied weights
+tied alike).  Then every storage of the file is read whole into one caller's
 storage (``Mode.DIRECT``), and planning the caller's tree as a whole
 (:mod:`astage._staging.plan`) and matching it by key path
 (:mod:`astage._checkpointer.destination`), about 20 us and a dozen objects a tensor, is
@@ -15,9 +16,11 @@ file's, contiguous from offset 0 over a storage of the file storage's size, on t
 conjugate or negative bit, no attributes, no two on one storage.  What passes becomes a
 :class:`DirectFill`: the caller's tensors in body order and the file's tensor on each
 storage, in two columns, the per-storage records made only when asked for.  Anything else
-(a key or a container that differs, a device tensor, a DTensor, tensors sharing a storage,
-views, an array or a BytesIO in the file, ...) is handed to the general match, which
-raises its own errors, with key paths, exactly as without this path.
+(a tensor more or less, keys in another order, a container of another kind or length, a
+device tensor, a DTensor, tensors sharing a storage, views, an array or a BytesIO in the
+file, ...) is handed to the general match, which fills or refuses, with key paths, exactly
+as without this path (``tests/properties/test_same_shape_property.py`` checks that it would
+fill what this path accepts the same way).
 """
 
 from __future__ import annotations
