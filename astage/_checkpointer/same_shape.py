@@ -162,6 +162,8 @@ def same_shape_in_slices(plan: StagePlan, into: Any) -> Steps[DirectFill | str]:
     if isinstance(once, str):
         return once
     positions, tensors, tied = once
+    if slice_over():
+        yield
     if not (yield from distinct_in_slices(tensors)):  # storages can tell only where they hold bytes
         return "the destination holds one tensor where the file holds two"
     n = len(plan.tensors)
@@ -176,7 +178,11 @@ def same_shape_in_slices(plan: StagePlan, into: Any) -> Steps[DirectFill | str]:
     if by_storage is None:
         return columns.problem
     order, positions_by_storage = by_storage
-    return DirectFill(plan, list(map(tensors.__getitem__, order.tolist())), positions_by_storage, tied=tied)
+    if slice_over():
+        yield
+    in_order: list[torch.Tensor] = []  # the caller's tensors in body order, a block at a time
+    yield from each_block(order.tolist(), lambda block: in_order.extend(map(tensors.__getitem__, block)))
+    return DirectFill(plan, in_order, positions_by_storage, tied=tied)
 
 
 def _once(positions: list[int], found: list[Any]) -> tuple[list[int], list[Any], bool] | str:
