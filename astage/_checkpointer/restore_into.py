@@ -294,8 +294,9 @@ class IntoSink:
     def dest(self, storage: int) -> memoryview:
         mode = self.fill.mode(storage)
         if mode is Mode.DIRECT:
-            whole = self.held[storage] = self.fill.whole(storage)  # type: ignore[assignment]
+            whole = self.fill.whole(storage)
             assert whole is not None
+            self.held[storage] = whole
             self.destination.mark(self.fill, storage, PARTIAL)
             return _memory(whole.data_ptr(), whole.nbytes())
         nbytes = int(self.header.segments.nbytes[storage])
