@@ -688,13 +688,12 @@ class Checkpointer(AsyncResource):
     async def _restore_into(
         self, step: int | None, collective: bool | None, progress: ReadProgress, destination: Destination
     ) -> Any:
-        """:meth:`restore` into ``destination``: planned first, its report on any exception."""
+        """:meth:`restore` into ``destination``, matched to each copy; its report on any exception."""
         try:
-            await destination.plan()
             loads = restore_loads(destination, read_lanes(self._threads), self._store.limiter)
             return await self._restore(step, collective, progress, loads)
         except BaseException as exc:
-            destination.annotate(exc)
+            await destination.annotate(exc)
             raise
 
     async def _restore(

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -67,15 +67,81 @@ class StorageFill(NamedTuple):
     """The storage's bytes are needed afterwards: the file holds an array or BytesIO on it."""
 
 
+class Fill(Protocol):
+    """Every storage of a copy matched to the caller's memory: what the read, the report and
+    the returned tree ask of a match (:class:`FillPlan`, or a same-shape match in columns)."""
+
+    storages: list[StorageFill]
+    """Every storage's :class:`StorageFill`, in body order (made whole on access)."""
+
+    def storage(self, s: int) -> StorageFill:
+        """What to do with storage ``s`` of the file."""
+        ...
+
+    def mode(self, s: int) -> Mode: ...
+
+    def whole(self, s: int) -> torch.UntypedStorage | None:
+        """``DIRECT`` / whole ``DEVICE``: the caller's storage that storage ``s`` is written over."""
+        ...
+
+    def device_storages(self) -> list[int]:
+        """The storages bound for an accelerator (``DEVICE``)."""
+        ...
+
+    def fresh(self) -> frozenset[int]:
+        """The storages whose bytes the returned tree keeps (arrays, BytesIOs: ``keep`` or ``FRESH``)."""
+        ...
+
+    def paths_of(self, s: int) -> Sequence[KeyPath]:
+        """The destination key paths of the tensors storage ``s`` fills."""
+        ...
+
+    def tensor_paths(self) -> Sequence[KeyPath]:
+        """Every destination key path holding a tensor, in the destination's order."""
+        ...
+
+    def original(self, position: int) -> Any:
+        """The caller's own object (Parameter, DTensor, tensor) filled from the file's tensor
+        ``position``, or ``None``."""
+        ...
+
+
 @dataclasses.dataclass
 class FillPlan:
-    """Every storage of the file matched to the caller's memory, and what the returned tree uses."""
+    """Every storage of the file matched to the caller's memory, and what the returned tree
+    uses (a :class:`Fill`, from the plans of both trees)."""
 
     storages: list[StorageFill]
     originals: dict[int, Any]
     """The caller's own object (Parameter, DTensor, tensor) for each file tensor it fills."""
     paths: list[list[KeyPath]]
     """For each storage of the file, the destination key paths of the tensors it fills."""
+    dest_paths: list[KeyPath] = dataclasses.field(default_factory=list)
+    """Every destination key path holding a tensor, in the destination's order."""
+
+    def storage(self, s: int) -> StorageFill:
+        return self.storages[s]
+
+    def mode(self, s: int) -> Mode:
+        return self.storages[s].mode
+
+    def whole(self, s: int) -> torch.UntypedStorage | None:
+        return self.storages[s].whole
+
+    def device_storages(self) -> list[int]:
+        return [i for i, f in enumerate(self.storages) if f.mode is Mode.DEVICE]
+
+    def fresh(self) -> frozenset[int]:
+        return frozenset(i for i, f in enumerate(self.storages) if f.keep or f.mode is Mode.FRESH)
+
+    def paths_of(self, s: int) -> Sequence[KeyPath]:
+        return self.paths[s]
+
+    def tensor_paths(self) -> Sequence[KeyPath]:
+        return self.dest_paths
+
+    def original(self, position: int) -> Any:
+        return self.originals.get(position)
 
 
 def places_in_slices(plan: StagePlan) -> Steps[dict[KeyPath, int]]:
@@ -229,7 +295,7 @@ def _fill_plan_in_slices(
         originals[fpos] = _lookup(into, file_plan.tensors[fpos].key_path)
         if slice_over():
             yield
-    return FillPlan(fills, originals, paths)
+    return FillPlan(fills, originals, paths, list(dest_places))
 
 
 def _storage_fill(

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import anyio
 import torch
@@ -34,7 +34,6 @@ import torch
 from .._files.body_reads import (
     Piece,
     ReadLedger,
-    pieces_of,
     read_checkpoint_file,
     read_pieces,
     storages_in_slices,
@@ -48,8 +47,9 @@ from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
 from .._util.collector import without_gc
 from .._util.errors import KeyPath, format_key_path, one_error
 from .._util.threads import run_sync
-from .._util.timeslice import Steps, run_steps, within
-from .destination import FillPlan, Mode, StorageFill, match_in_slices, places_in_slices
+from .._util.timeslice import Steps, drive, each_block, run_steps, slice_over, within
+from .destination import Fill, Mode, StorageFill, match_in_slices, places_in_slices
+from .same_shape import same_shape_in_slices
 
 log = logging.getLogger("astage.checkpointer")
 
@@ -59,6 +59,12 @@ enqueued; two such buffers are in use at once (one filling, one copying)."""
 
 CALL_BYTES: Final = 32 << 20
 """Most bytes one worker-thread call copies out of a body already in memory."""
+
+SAME_SHAPE_MESSAGE: Final = (
+    "restore(into=...): matched by shape, %d storages read whole into the caller's tensors"
+)
+"""The debug record of a copy matched at a glance (:mod:`astage._checkpointer.same_shape`);
+one matched by key path logs ``restore(into=...): matched by key path (why not by shape)``."""
 
 FILLED: Final = "filled"
 PARTIAL: Final = "partial"
@@ -88,63 +94,90 @@ class FillReport:
 
 
 class Destination:
-    """The caller's tree being filled, and what has been written to it so far."""
+    """The caller's tree being filled, and what has been written to it so far.
+
+    Each copy's header is matched to the tree as it comes (:meth:`match`): at a glance where
+    the tree has the file's shape (:mod:`astage._checkpointer.same_shape`), else by key path
+    over a plan of the whole tree, made once, at the first copy that needs it.
+    """
 
     def __init__(self, into: Any) -> None:
         self.into = into
         self.source: PlannedSource | None = None
-        # Per copy tried, in order: its fill plan, and the storages written (in part or
+        # Per copy tried, in order: its fill, and the storages written (in part or
         # unverified) and filled; the sets are added to from worker threads.
-        self.copies: list[tuple[FillPlan, set[int], set[int]]] = []
-        self.all_paths: list[KeyPath] = []
+        self.copies: list[tuple[Fill, set[int], set[int]]] = []
+        self.all_paths: Sequence[KeyPath] = ()
 
-    async def plan(self) -> None:
-        """Plan ``into``: its tensors (CPU or the machine's accelerator) and their key paths.
+    def _plan_in_slices(self) -> Steps[PlannedSource]:
+        """Plan ``into`` whole: its tensors (CPU or the machine's accelerator) and their key paths.
 
         :raises UnsupportedInputError: a value of ``into`` that cannot be planned, named.
         """
-        self.source, self.all_paths = await run_steps(self._plan_in_slices())
+        if self.source is None:
+            source = yield from plan_in_slices(self.into, allowed_devices=supported_devices())
+            places = yield from places_in_slices(source.plan)
+            self.source, self.all_paths = source, list(places)
+        return self.source
 
-    def _plan_in_slices(self) -> Steps[tuple[PlannedSource, list[KeyPath]]]:
-        source = yield from plan_in_slices(self.into, allowed_devices=supported_devices())
-        places = yield from places_in_slices(source.plan)
-        return source, list(places)
-
-    async def match(self, header: FileHeader) -> FillPlan:
+    async def match(self, header: FileHeader) -> Fill:
         """How to fill this destination from a copy of ``header``.
 
         :raises DestinationMismatchError: before any byte of it is written.
+        :raises UnsupportedInputError: a value of ``into`` that cannot be planned, named.
         """
-        assert self.source is not None, "plan() first"
         return await run_steps(self._match_in_slices(header))
 
-    def _match_in_slices(self, header: FileHeader) -> Steps[FillPlan]:
-        assert self.source is not None
-        fill = yield from match_in_slices(header.plan, self.source, self.into)
+    def _match_in_slices(self, header: FileHeader) -> Steps[Fill]:
+        fill: Fill | str = yield from same_shape_in_slices(header.plan, self.into)
+        if isinstance(fill, str):
+            log.debug("restore(into=...): matched by key path (%s)", fill)
+            source = yield from self._plan_in_slices()
+            fill = yield from match_in_slices(header.plan, source, self.into)
+        else:
+            log.debug(SAME_SHAPE_MESSAGE, len(header.plan.storages))
         self.copies.append((fill, set(), set()))
         return fill
 
-    def mark(self, fill: FillPlan, storage: int, state: str) -> None:
+    def mark(self, fill: Fill, storage: int, state: str) -> None:
         """Storage ``storage`` of the copy ``fill`` is being written (``PARTIAL``) or filled."""
         current, touched, filled = self.copies[-1]  # registered by match(), on the loop
         assert current is fill, "a storage of an earlier copy"
         (touched if state == PARTIAL else filled).add(storage)
 
     def report(self) -> FillReport:
+        """What this restore has done to the caller's tensors so far."""
+        return drive(self.report_in_slices())
+
+    def report_in_slices(self) -> Steps[FillReport]:
+        """:meth:`report`, in time slices (a state of 20,000 tensors takes ~20 ms)."""
         state: dict[KeyPath, str] = {}
         for fill, touched, filled in self.copies:  # a later copy overwrites what an earlier wrote
-            for storage in touched - filled:
-                state.update(dict.fromkeys(fill.paths[storage], PARTIAL))
-            for storage in filled:
-                state.update(dict.fromkeys(fill.paths[storage], FILLED))
-        filled_paths = tuple(p for p in self.all_paths if state.get(p) == FILLED)
-        partial = tuple(p for p in self.all_paths if state.get(p) == PARTIAL)
-        untouched = tuple(p for p in self.all_paths if p not in state)
-        return FillReport(filled_paths, partial, untouched)
+            for storages, mark in ((list(touched - filled), PARTIAL), (list(filled), FILLED)):
+                for storage in storages:
+                    state.update(dict.fromkeys(fill.paths_of(storage), mark))
+                    if slice_over():
+                        yield
+        # Every copy matched has the destination's tensors; before any, the plan has them.
+        all_paths = self.copies[-1][0].tensor_paths() if self.copies else self.all_paths
+        sorted_out: dict[str, list[KeyPath]] = {FILLED: [], PARTIAL: [], "": []}
+        for path in all_paths:
+            sorted_out[state.get(path, "")].append(path)
+            if slice_over():
+                yield
+        return FillReport(tuple(sorted_out[FILLED]), tuple(sorted_out[PARTIAL]), tuple(sorted_out[""]))
 
-    def annotate(self, exc: BaseException) -> None:
-        """Tell what ``exc`` left in the caller's tensors: ``exc.fill_report`` and a note."""
-        report = self.report()
+    async def annotate(self, exc: BaseException) -> None:
+        """Tell what ``exc`` left in the caller's tensors: ``exc.fill_report`` and a note.
+
+        Shielded, in time slices: a restore that ended before any copy was matched plans the
+        tree here, to name its tensors (all untouched).
+        """
+        with anyio.CancelScope(shield=True):
+            if not self.copies:
+                with contextlib.suppress(Exception):  # a tree that cannot be planned: none named
+                    await run_steps(self._plan_in_slices())
+            report = await run_steps(self.report_in_slices())
         with contextlib.suppress(AttributeError, TypeError):  # an exception class with slots
             exc.fill_report = report  # type: ignore[attr-defined]
         exc.add_note(str(report))
@@ -156,25 +189,25 @@ class _IntoRebuilder(Rebuilder):
     """The file's tree, with the caller's own objects where it holds the tensors filled."""
 
     def __init__(
-        self, plan: StagePlan, local: Callable[[int], torch.Tensor], originals: dict[int, Any]
+        self, plan: StagePlan, local: Callable[[int], torch.Tensor], original: Callable[[int], Any]
     ) -> None:
         super().__init__(plan, local)
-        self.originals = originals
+        self.original = original
 
     def tensor(self, index: int) -> torch.Tensor:
-        original = self.originals.get(index)
+        original = self.original(index)
         if original is None:
             return super().tensor(index)
         self.tensors[index] = original
         return original  # type: ignore[no-any-return]
 
 
-async def returned_tree(header: FileHeader, fill: FillPlan, kept: dict[int, torch.UntypedStorage]) -> Any:
+async def returned_tree(header: FileHeader, fill: Fill, kept: dict[int, torch.UntypedStorage]) -> Any:
     """The restored tree: the caller's tensors, and new non-tensor leaves (``kept``: the
     storages of the arrays and BytesIOs the file holds)."""
     specs = header.plan.tensors
     rebuilder = _IntoRebuilder(
-        header.plan, lambda i: make_tensor(specs[i], kept[specs[i].storage]), fill.originals
+        header.plan, lambda i: make_tensor(specs[i], kept[specs[i].storage]), fill.original
     )
     return await run_steps(within(plain_tensor_mode, rebuilder.node(header.plan.root)))
 
@@ -248,22 +281,26 @@ class _DeviceCopies:
 class IntoSink:
     """Where each storage of a copy goes, and what happens once it is verified (worker threads)."""
 
-    def __init__(self, fill: FillPlan, header: FileHeader, destination: Destination) -> None:
+    def __init__(self, fill: Fill, header: FileHeader, destination: Destination) -> None:
         self.fill, self.header, self.destination = fill, header, destination
         self.bounce: dict[int, torch.UntypedStorage] = {}
+        # DIRECT storages being read: the caller's storage, held while its bytes land
+        self.held: dict[int, torch.UntypedStorage] = {}
         # DEVICE storages of the windows being read or copied: (pinned buffer, byte offset)
         self.pinned: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self.devices: _DeviceCopies | None = None
         self.enqueued: list[int] = []  # DEVICE storages whose copies were enqueued, not yet waited for
 
     def dest(self, storage: int) -> memoryview:
-        fill = self.fill.storages[storage]
-        if fill.mode is Mode.DIRECT:
-            assert fill.whole is not None
+        mode = self.fill.mode(storage)
+        if mode is Mode.DIRECT:
+            whole = self.fill.whole(storage)
+            assert whole is not None
+            self.held[storage] = whole
             self.destination.mark(self.fill, storage, PARTIAL)
-            return _memory(fill.whole.data_ptr(), fill.whole.nbytes())
+            return _memory(whole.data_ptr(), whole.nbytes())
         nbytes = int(self.header.segments.nbytes[storage])
-        if fill.mode is Mode.DEVICE:
+        if mode is Mode.DEVICE:
             pinned, at = self.pinned[storage]
             return _memory(pinned.data_ptr() + at, nbytes)
         buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -277,12 +314,14 @@ class IntoSink:
         return enqueued, [] if self.devices is None else self.devices.record()
 
     def verified(self, storage: int, view: memoryview) -> None:
-        fill = self.fill.storages[storage]
-        if fill.mode is Mode.DIRECT:
+        mode = self.fill.mode(storage)
+        if mode is Mode.DIRECT:
             self.destination.mark(self.fill, storage, FILLED)
+            self.held.pop(storage, None)
             return
-        if fill.mode is Mode.FRESH:
+        if mode is Mode.FRESH:
             return
+        fill = self.fill.storage(storage)
         self.destination.mark(self.fill, storage, PARTIAL)
         if fill.mode is Mode.DEVICE:
             assert self.devices is not None
@@ -319,14 +358,14 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
-def windows(pieces: Sequence[Piece], fill: FillPlan, body_nbytes: int) -> list[tuple[int, int, list[Piece]]]:
+def windows(pieces: Sequence[Piece], fill: Fill, body_nbytes: int) -> list[tuple[int, int, list[Piece]]]:
     """``pieces`` cut where the accelerator-bound bytes of a window would pass
     :data:`WINDOW_BYTES` (one window when there are none): ``(start, stop, pieces)``."""
     out: list[tuple[int, int, list[Piece]]] = []
     start, device_bytes = 0, 0
     current: list[Piece] = []
     for piece in pieces:
-        on_device = fill.storages[piece.storage].mode is Mode.DEVICE
+        on_device = fill.mode(piece.storage) is Mode.DEVICE
         size = _aligned(piece.nbytes) if on_device else 0  # as its pinned buffer holds it
         if on_device and current and device_bytes + size > WINDOW_BYTES:
             stop = current[-1].start + current[-1].nbytes
@@ -349,7 +388,7 @@ class _Reading:
 
 
 async def fill_body(
-    reading: _Reading, fill: FillPlan, destination: Destination
+    reading: _Reading, fill: Fill, destination: Destination
 ) -> dict[int, torch.UntypedStorage]:
     """Read the body of an open file into ``destination``; the storages kept for new leaves.
 
@@ -358,14 +397,13 @@ async def fill_body(
     """
     header = reading.header
     sink = IntoSink(fill, header, destination)
-    device_storages = [i for i, f in enumerate(fill.storages) if f.mode is Mode.DEVICE]
-    # Off the loop: a list and a pass over 20,000 storages take milliseconds.
-    pieces = await run_sync(without_gc(pieces_of), header, limiter=reading.limiter)
-    cut = await run_sync(without_gc(windows), pieces, fill, header.body_nbytes, limiter=reading.limiter)
+    device_storages = fill.device_storages()
+    pieces = await run_steps(_pieces_in_slices(header))
     if not device_storages:
-        await _read_window(reading, sink, cut[0])
+        await _read_window(reading, sink, (0, header.body_nbytes, pieces))
         return sink.bounce
-    sink.devices = _DeviceCopies({fill.storages[i].pairs[0][1].device for i in device_storages})
+    cut = await run_sync(without_gc(windows), pieces, fill, header.body_nbytes, limiter=reading.limiter)
+    sink.devices = _DeviceCopies({fill.storage(i).pairs[0][1].device for i in device_storages})
     biggest = max(_aligned(int(header.segments.nbytes[i])) for i in device_storages)
     kind = BufferKind.PINNED if torch.cuda.is_available() else BufferKind.PLAIN
     pool = BufferPool(kind, max_bytes=2 * max(WINDOW_BYTES, biggest), retain=True)
@@ -386,6 +424,22 @@ async def fill_body(
     return sink.bounce
 
 
+def _pieces_in_slices(header: FileHeader) -> Steps[list[Piece]]:
+    """:func:`~astage._files.body_reads.pieces_of`, a block of storages at a time: made at
+    once, 20,000 records held a worker thread's GIL for ~5 ms, and the loop waited."""
+    segments = header.segments
+    pieces: list[Piece] = []
+    columns = (segments.offsets, segments.nbytes, segments.crcs)
+
+    def visit(block: Sequence[int]) -> None:
+        r = cast(range, block)
+        made = zip(*(c[r.start : r.stop].tolist() for c in columns), r, strict=True)
+        pieces.extend(map(Piece._make, made))
+
+    yield from each_block(range(len(segments)), visit)
+    return pieces
+
+
 async def _read_window(reading: _Reading, sink: IntoSink, window: tuple[int, int, list[Piece]]) -> ReadLedger:
     start, stop, pieces = window
     return await read_pieces(
@@ -402,11 +456,11 @@ async def _read_window(reading: _Reading, sink: IntoSink, window: tuple[int, int
 
 
 async def _lease(
-    pool: BufferPool, window: tuple[int, int, list[Piece]], fill: FillPlan, sink: IntoSink
+    pool: BufferPool, window: tuple[int, int, list[Piece]], fill: Fill, sink: IntoSink
 ) -> Lease | None:
     """A pinned buffer for the window's accelerator-bound storages, parted into ``sink.pinned``
     (each at a 64-byte boundary: a multiple of every element size)."""
-    on_device = [p for p in window[2] if fill.storages[p.storage].mode is Mode.DEVICE]
+    on_device = [p for p in window[2] if fill.mode(p.storage) is Mode.DEVICE]
     if not on_device:
         return None
     need = sum(_aligned(p.nbytes) for p in on_device)
@@ -423,7 +477,7 @@ async def _settle(
     pool: BufferPool,
     lease: Lease,
     copies: tuple[list[int], list[Any]],
-    target: tuple[Destination, FillPlan],
+    target: tuple[Destination, Fill],
 ) -> None:
     """Wait for a window's copies, mark their tensors filled, give the pinned buffer back.
 
@@ -480,28 +534,34 @@ async def fill_from_body(
     """
     fill = await destination.match(header)
     storages = await run_steps(storages_in_slices(header, body))
-    kept = {s: storages[s] for s, f in enumerate(fill.storages) if f.keep or f.mode is Mode.FRESH}
-    batches: list[list[int]] = [[]]
-    size = 0
-    for s, f in enumerate(fill.storages):
-        if f.mode is Mode.FRESH:
-            continue
-        if size >= CALL_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(s)
-        size += storages[s].nbytes()
-    for batch in batches:
+    kept = {s: storages[s] for s in fill.fresh()}
+    for batch in await run_steps(_batches_in_slices(fill, header.segments.nbytes.tolist())):
         await run_sync(without_gc(_copy_batch), fill, storages, batch, destination, limiter=limiter)
     return await returned_tree(header, fill, kept)
 
 
+def _batches_in_slices(fill: Fill, sizes: list[int]) -> Steps[list[list[int]]]:
+    """The storages to copy out of a body (not ``FRESH``), in batches of about :data:`CALL_BYTES`."""
+    batches: list[list[int]] = [[]]
+    size = 0
+    for s, nbytes in enumerate(sizes):
+        if fill.mode(s) is not Mode.FRESH:
+            if size >= CALL_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(s)
+            size += nbytes
+        if slice_over():
+            yield
+    return batches
+
+
 def _copy_batch(
-    fill: FillPlan, storages: list[torch.UntypedStorage], batch: list[int], destination: Destination
+    fill: Fill, storages: list[torch.UntypedStorage], batch: list[int], destination: Destination
 ) -> None:
     for s in batch:
         destination.mark(fill, s, PARTIAL)
-        copy_pairs(fill.storages[s], storages[s])
+        copy_pairs(fill.storage(s), storages[s])
         destination.mark(fill, s, FILLED)
 
 
