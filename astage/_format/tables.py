@@ -13,6 +13,7 @@ Pure: no file, socket or thread.
 from __future__ import annotations
 
 import itertools
+import math
 import struct
 from collections.abc import Iterable, Sequence
 from itertools import repeat
@@ -260,7 +261,24 @@ def check_tensor_table(tables: RawTables, segments: Segments) -> _Columns:
     columns = _Columns(records, dims, storage, code, ndim, starts)
     for i in np.flatnonzero(large).tolist():
         _check_extent(columns, i, segments)
+    for i in np.flatnonzero(records["kind"] == _KIND_CODE[TensorKind.NDARRAY]).tolist():
+        _check_array(columns, i, segments)
     return columns
+
+
+def _check_array(columns: _Columns, i: int, segments: Segments) -> None:
+    """An ndarray entry is a contiguous array over its own storage (the writer copies any
+    other into one): no more elements than its storage's bytes hold.  (A stride-0 view of
+    astronomically many elements is a valid tensor, but no numpy array.)"""
+    ndim, start = int(columns.ndim[i]), int(columns.starts[i])
+    size = columns.dims[start : start + ndim].tolist()
+    itemsize = int(_CODE_ITEMSIZE[int(columns.code[i])])
+    nbytes = segments[int(columns.storage[i])].nbytes
+    if math.prod(size) * itemsize > nbytes:
+        raise header_error(f"tensors[{i}]", f"an ndarray of shape {tuple(size)} over a {nbytes}-byte storage")
+    # numpy refuses a shape whose non-zero sizes multiply past its index range, empty or not.
+    if math.prod(n for n in size if n) * itemsize >= 1 << 63:
+        raise header_error(f"tensors[{i}]", f"no numpy array has the shape {tuple(size)}")
 
 
 def _int_columns(records: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], ...]:

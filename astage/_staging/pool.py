@@ -118,6 +118,11 @@ handed-out buffer is kept by the pool, by the storage's ``_cdata``.
 """
 
 
+_Taken = tuple[list[Buffer | None], int, int]
+"""One free buffer per size of a request (``None`` where one must be made), the bytes and
+the number of buffers to make."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Wanted:
     """A request's sizes as an array, and how many buffers of each size it asks for
@@ -291,7 +296,7 @@ class BufferPool:
     def _free_can_serve(self, wanted: _Wanted) -> bool:
         return all(len(self._free.get(n, ())) >= c for n, c in wanted.counts.items())
 
-    def _take(self, wanted: _Wanted) -> tuple[list[Buffer | None], int, int] | None:
+    def _take(self, wanted: _Wanted) -> _Taken | None:
         """Reserve free buffers for the request if it fits now: one per size, or ``None``
         where one must be made; the bytes and the buffers to make.  ``None`` if it does
         not fit.
@@ -357,33 +362,7 @@ class BufferPool:
             )
         self._check_open()
         started = time.perf_counter()
-        ticket = object()
-        self._queue.append(ticket)
-        logged = False
-        wanted = _Wanted.of(sizes)
-        try:
-            while True:
-                self._check_open()
-                if self._queue[0] is ticket:
-                    if self._out and not self._free_can_serve(wanted):
-                        await run_steps(self.reclaim_in_slices())
-                        await give_turn()  # the last slice ran in this step: take in the next
-                        self._check_open()
-                        if self._queue[0] is not ticket:
-                            continue
-                    got = self._take(wanted)
-                    if got is not None:
-                        break
-                if not logged and time.perf_counter() - started >= self._wait_log_seconds:
-                    logged = True
-                    self._log_wait(need, time.perf_counter() - started)
-                if self._changed is None:
-                    self._changed = anyio.Event()
-                with anyio.move_on_after(RECLAIM_POLL_SECONDS):
-                    await self._changed.wait()
-        finally:
-            self._queue.remove(ticket)
-            self._notify()  # the next in line may fit now
+        got = await self._reserve(_Wanted.of(sizes), need, started)
         taken, missing, short = got
         waited = time.perf_counter() - started
         try:
@@ -406,6 +385,35 @@ class BufferPool:
         if waited > 0.001:
             log.debug("waited %.3fs for %d staging bytes", waited, need)
         return Lease(buffers, missing, reused, waited, sizes)
+
+    async def _reserve(
+        self, wanted: _Wanted, need: int, started: float
+    ) -> tuple[list[Buffer | None], int, int]:
+        """:meth:`_take` once this request is first in line and fits, waiting (FIFO) until then."""
+        ticket = object()
+        self._queue.append(ticket)
+        logged = False
+        try:
+            while True:
+                self._check_open()
+                if self._queue[0] is ticket:
+                    if self._out and not self._free_can_serve(wanted):
+                        await run_steps(self.reclaim_in_slices())
+                        await give_turn()  # the last slice ran in this step: take in the next
+                        self._check_open()
+                    got = self._take(wanted)
+                    if got is not None:
+                        return got
+                if not logged and time.perf_counter() - started >= self._wait_log_seconds:
+                    logged = True
+                    self._log_wait(need, time.perf_counter() - started)
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                with anyio.move_on_after(RECLAIM_POLL_SECONDS):
+                    await self._changed.wait()
+        finally:
+            self._queue.remove(ticket)
+            self._notify()  # the next in line may fit now
 
     def _log_wait(self, need: int, waited: float) -> None:
         # A stage stuck under the cap is the usual sign of staged copies never released

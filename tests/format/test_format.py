@@ -1026,6 +1026,33 @@ def test_an_element_count_past_2_63_is_refused_even_with_zero_strides() -> None:
         parse_prefix(_table_edit(edit))
 
 
+@pytest.mark.parametrize(
+    ("dims", "fragment"),
+    [
+        ([8, 0], "over a"),  # 8 elements of 4 bytes over a 4-element storage, stride 0
+        ([0, 1 << 62, 1, 1], "no numpy array"),  # empty, but numpy refuses the shape
+    ],
+    ids=["more elements than bytes", "an empty shape past numpy's range"],
+)
+def test_an_ndarray_entry_numpy_could_not_make_is_refused(dims: list[int], fragment: str) -> None:
+    # A stride-0 view of many elements is a valid tensor, but no array the writer makes
+    # (it stores contiguous arrays over their own bytes): read back, numpy raised
+    # ValueError instead of the reader refusing the header.
+    state = {"a": np.arange(4, dtype=np.float32)}
+
+    def edit(counts: list[int], t: Any, d: Any, s: Any) -> None:
+        if len(dims) == 2:
+            d[:] = dims
+        else:
+            t["ndim"][0] = 2
+            counts[1] = 4
+            d.resize(4, refcheck=False)
+            d[:] = dims
+
+    with pytest.raises(astage.IntegrityError, match=fragment):
+        read(_table_edit(edit, state))
+
+
 def test_an_unreferenced_storage_is_refused() -> None:
     with pytest.raises(astage.IntegrityError, match="not referenced"):
         parse_prefix(_table_edit(_set(_T, 1, "storage", 0)))

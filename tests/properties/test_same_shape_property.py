@@ -138,6 +138,14 @@ def _anything(_: Any) -> bool:
     return True
 
 
+def _fresh_key(x: dict[Any, Any]) -> str:
+    """A key ``x`` does not have (an extra key must not replace one of its values)."""
+    key = "zz"
+    while key in x:
+        key += "z"
+    return key
+
+
 CHANGES: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any]]] = {
     "none": (_anything, lambda x: x),
     "view of a bigger storage": (_is_tensor, _bigger),
@@ -146,8 +154,8 @@ CHANGES: dict[str, tuple[Callable[[Any], bool], Callable[[Any], Any]]] = {
     "other shape": (_is_tensor, lambda x: torch.zeros(x.numel() + 1, dtype=x.dtype)),
     "a tensor for a value": (_not_tensor, lambda _: torch.zeros(1)),
     "a value for anything": (_anything, lambda _: 7),
-    "an extra key": (_is_dict, lambda x: {**x, "zz": torch.zeros(1)}),
-    "an extra value": (_is_dict, lambda x: {**x, "zz": 1}),
+    "an extra key": (_is_dict, lambda x: {**x, _fresh_key(x): torch.zeros(1)}),
+    "an extra value": (_is_dict, lambda x: {**x, _fresh_key(x): 1}),
     "a key less": (lambda x: _is_dict(x) and bool(x), lambda x: dict(list(x.items())[1:])),
     "keys reversed": (lambda x: _is_dict(x) and len(x) > 1, lambda x: dict(reversed(x.items()))),
     "a list shorter": (lambda x: _is_list(x) and bool(x), lambda x: x[:-1]),
