@@ -1,17 +1,20 @@
 """Restore benchmark: astage's ``restore()`` and ``restore(into=...)`` beside what a user would pick instead.
 
-For each input (``gpt2-adam``, 1.49 GB in 593 tensors at full size; ``small-20k``, 20,000
-small tensors) the files of every format are written once, read once (so every method
-reads from the page cache), then each method runs in a fresh process, ``--runs`` times,
-and the medians are printed with their ratio to the baselines measured in the same run (each
-child builds the model and imports its method's library before the clock starts):
+For each input (``gpt2-adam``, 1.49 GB in 593 tensors at full size; ``moe-20k``, 20,160
+tensors of 32 KiB, 0.66 GB; ``small-20k``, 20,000 tensors of 16-256 elements, 11 MB) the
+files of every format are written once, read once (so every method reads from the page
+cache), then each method runs in a fresh process, ``--runs`` times in turns (every method
+once, then again), and the medians are printed with the median over the turns of each
+turn's ratio to the baselines (each child builds the model and imports its method's
+library before the clock starts):
 
 * ``raw read``: the body's bytes read into one fresh buffer per tensor (no format, no checks);
 * ``torch.load(weights_only=True)`` and ``torch.load(mmap=True)``;
 * ``safetensors load_file`` and ``safetensors + load_state_dict`` (copied into the model's tensors);
 * ``DCP load (in place)``: ``torch.distributed.checkpoint.load`` into existing tensors;
-* ``astage restore()`` (new tensors over one body buffer) and ``astage restore(into=)``
-  (the model's own tensors), both with every checksum verified.
+* ``astage restore()`` (new tensors over a private mapping of the file, or one body buffer
+  under 64 MiB) and ``astage restore(into=)`` (the model's own tensors), both with every
+  checksum verified.
 
 Loads that return new tensors touch a byte of every page of the result (a mapped load
 costs nothing until its pages are read).  ``peak RSS`` is the growth of the child's peak
@@ -23,9 +26,12 @@ made due is not charged to the method that happens to allocate next.
 Then the read paths for the body (``preadv`` into the destination, ``mmap`` + copy,
 ``readinto`` a file object), and the save side: a raw ``write`` + ``fsync`` of the same
 bytes against a first ``Checkpointer.save`` + ``wait()`` on a fresh Checkpointer and a
-steady one.
+steady one (each from before the Checkpointer is entered until the step is durable).
+``--only saves|restores`` measures one half; ``--quick`` (the smoke test) runs every
+method of a turn in one process.
 
-    python -m benchmarks.bench_restore [--scale S] [--runs N] [--quick] [--json PATH]
+    python -m benchmarks.bench_restore [--scale S] [--runs N] [--case C] [--only saves|restores]
+        [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -361,31 +367,41 @@ def gpu(scale: float, runs: int) -> int:
 # -- the parent -----------------------------------------------------------------------------------------
 
 
-def spawn(case: str, scale: float, method: str, root: Path) -> dict[str, Any]:
+def spawn(case: str, scale: float, methods: Sequence[str], root: Path) -> dict[str, Any]:
+    """``methods`` run one after another in one fresh process: their results by method."""
     flags = ("--scale", str(scale), "--root", str(root))
+    children = [arg for method in methods for arg in ("--child", method)]
     done = subprocess.run(
-        [sys.executable, "-m", __spec__.name, "--child", method, *("--case", case), *flags],
+        [sys.executable, "-m", __spec__.name, *children, *("--case", case), *flags],
         capture_output=True,
         text=True,
         check=False,
         cwd=Path(__file__).resolve().parent.parent,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"{case} / {method} failed:\n{done.stderr}")
+        raise RuntimeError(f"{case} / {', '.join(methods)} failed:\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
 def measure(
-    case: str, scale: float, runs: int, root: Path, methods: Sequence[str] = (*METHODS, *READ_PATHS, *SAVES)
+    case: str,
+    scale: float,
+    runs: int,
+    root: Path,
+    methods: Sequence[str] = (*METHODS, *READ_PATHS, *SAVES),
+    *,
+    one_process: bool = False,
 ) -> dict[str, Any]:
     """Each method ``runs`` times, in turns (every method once, then again), so that a drift
-    of the machine (the disk's write-back, another process) spreads over all of them."""
+    of the machine (the disk's write-back, another process) spreads over all of them; each
+    in a fresh process, or (``one_process``, the smoke test) all of a turn in one."""
     info = write_files(case, scale, root)
     all_samples: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
     for _ in range(runs):
-        for method in methods:
-            all_samples[method].append(spawn(case, scale, method, root))
+        for group in [list(methods)] if one_process else [[method] for method in methods]:
+            for method, sample in spawn(case, scale, group, root).items():
+                all_samples[method].append(sample)
     results: dict[str, Any] = {}
     for method, samples in all_samples.items():
         lags = [lag for s in samples for lag in s["lags"]]
@@ -459,7 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per method (median)")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke test: scale 0.01, one run, the gpt2-adam input only"
+        "--quick",
+        action="store_true",
+        help="smoke test: scale 0.01, one run, the gpt2-adam input only, every method in one process",
     )
     parser.add_argument("--case", choices=sorted(CASES), action="append", help="only these inputs")
     parser.add_argument(
@@ -470,12 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--gpu", action="store_true", help="restore(into=cuda) against a pinned copy_")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="append", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     scale = args.scale if args.scale is not None else (0.01 if args.quick else default_scale())
     if args.child is not None:
-        print(json.dumps(child(args.case[0], scale, args.child, args.root)))
+        print(json.dumps({method: child(args.case[0], scale, method, args.root) for method in args.child}))
         return 0
     runs = 1 if args.quick else args.runs
     if args.gpu:
@@ -483,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload: dict[str, Any] = {"environment": environment(), "scale": scale, "runs": runs, "cases": []}
     for case in args.case or (["gpt2-adam"] if args.quick else list(CASES)):
         with tempfile.TemporaryDirectory(prefix=f"bench-restore-{case}-") as tmp:
-            measured = measure(case, scale, runs, Path(tmp), _methods(args.only))
+            measured = measure(case, scale, runs, Path(tmp), _methods(args.only), one_process=args.quick)
         payload["cases"].append(measured)
         print(report(measured), flush=True)
         print()
