@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 import math
 import struct
-from collections.abc import Iterable, Sequence
-from itertools import repeat
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice, repeat
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -386,12 +386,16 @@ def _check_extent(columns: _Columns, i: int, segments: Segments) -> None:
         raise header_error(where, f"shape {size} with stride {stride} reaches past its {nbytes}-byte storage")
 
 
-def tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSpec, ...]:
+def tensor_specs(
+    columns: _Columns, paths: Sequence[KeyPath], between: Callable[[], object] | None = None
+) -> tuple[TensorSpec, ...]:
     """The checked tensor table as plan records, with the key paths the tree gave them.
 
     Column by column: each field is one numpy ``tolist`` (or an object-array gather), and
     each record one ``tuple.__new__``; a Python call a tensor would cost more than the
-    rest of the parse (headers of tens of thousands of tensors are parsed).
+    rest of the parse (headers of tens of thousands of tensors are parsed).  The records
+    are made a block at a time, ``between`` called after each (20,000 in one C call held
+    the GIL ~10 ms).
     """
     flags = columns.records["flags"]
     sizes, strides = _shapes(columns)
@@ -410,7 +414,17 @@ def tensor_specs(columns: _Columns, paths: Sequence[KeyPath]) -> tuple[TensorSpe
         repeat(None),  # dtensor_spec: DTensors come back as their local tensor
         strict=False,  # the repeats are endless; paths and the columns have one a tensor
     )
-    return tuple(map(new_tuple, repeat(TensorSpec), fields))
+    made = map(new_tuple, repeat(TensorSpec), fields)
+    specs: list[TensorSpec] = []
+    while block := list(islice(made, _SPEC_BLOCK)):
+        specs += block
+        if between is not None:
+            between()
+    return tuple(specs)
+
+
+_SPEC_BLOCK: Final = 2048
+"""Tensor records made in one C call (~1 ms)."""
 
 
 def _column(values: np.ndarray[Any, Any], objects: np.ndarray[Any, Any] | None = None) -> Iterable[Any]:
