@@ -195,7 +195,9 @@ async def test_checkpointer_saves_hold_memory_descriptors_and_pool_flat(
             await ckpt.save(step, training_state(step))
             if step % 2:  # let saves overlap, then catch up
                 await ckpt.wait()
-            recorder.sample(step)
+                # Sampled with no save in flight: one in flight holds its file and directory
+                # open for as long as it writes, whether or not the sample lands then.
+                recorder.sample(step)
         await ckpt.wait()
         assert ckpt.steps() == [SAVES - 2, SAVES - 1]
         assert_same_tree(await ckpt.restore(), training_state(SAVES - 1))
