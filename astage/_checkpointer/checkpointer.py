@@ -683,7 +683,9 @@ class Checkpointer(AsyncResource):
         if into is None:
             loads = restore_loads(None, read_lanes(self._threads), self._store.limiter)
             return await self._restore(step, collective, progress, loads)
-        return await self._restore_into(step, collective, progress, Destination(into))
+        # Pinned buffers on their way to a device stay under the staging cap, as a stage's do.
+        cap = self._stager.options.max_staging_bytes if isinstance(self._stager, DefaultStager) else None
+        return await self._restore_into(step, collective, progress, Destination(into, cap))
 
     async def _restore_into(
         self, step: int | None, collective: bool | None, progress: ReadProgress, destination: Destination

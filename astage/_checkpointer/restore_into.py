@@ -45,7 +45,7 @@ from .._staging.plan import PlannedSource, StagePlan, TensorSpec, plan_in_slices
 from .._staging.pool import BufferKind, BufferPool, Lease
 from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
 from .._util.collector import without_gc
-from .._util.errors import KeyPath, format_key_path, one_error
+from .._util.errors import CapacityError, KeyPath, format_key_path, one_error
 from .._util.threads import run_sync
 from .._util.timeslice import Steps, drive, each_block, run_steps, slice_over, within
 from .destination import Fill, Mode, StorageFill, match_in_slices, places_in_slices
@@ -101,8 +101,10 @@ class Destination:
     over a plan of the whole tree, made once, at the first copy that needs it.
     """
 
-    def __init__(self, into: Any) -> None:
+    def __init__(self, into: Any, max_bytes: int | None = None) -> None:
         self.into = into
+        self.max_bytes = max_bytes
+        """The staging cap (``max_staging_bytes``) its pinned buffers stay under, if any."""
         self.source: PlannedSource | None = None
         # Per copy tried, in order: its fill, and the storages written (in part or
         # unverified) and filled; the sets are added to from worker threads.
@@ -358,16 +360,18 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
-def windows(pieces: Sequence[Piece], fill: Fill, body_nbytes: int) -> list[tuple[int, int, list[Piece]]]:
+def windows(
+    pieces: Sequence[Piece], fill: Fill, body_nbytes: int, window_bytes: int
+) -> list[tuple[int, int, list[Piece]]]:
     """``pieces`` cut where the accelerator-bound bytes of a window would pass
-    :data:`WINDOW_BYTES` (one window when there are none): ``(start, stop, pieces)``."""
+    ``window_bytes`` (one window when there are none): ``(start, stop, pieces)``."""
     out: list[tuple[int, int, list[Piece]]] = []
     start, device_bytes = 0, 0
     current: list[Piece] = []
     for piece in pieces:
         on_device = fill.mode(piece.storage) is Mode.DEVICE
         size = _aligned(piece.nbytes) if on_device else 0  # as its pinned buffer holds it
-        if on_device and current and device_bytes + size > WINDOW_BYTES:
+        if on_device and current and device_bytes + size > window_bytes:
             stop = current[-1].start + current[-1].nbytes
             out.append((start, stop, current))
             start, current, device_bytes = stop, [], 0
@@ -402,16 +406,18 @@ async def fill_body(
     if not device_storages:
         await _read_window(reading, sink, (0, header.body_nbytes, pieces))
         return sink.bounce
-    cut = await run_sync(without_gc(windows), pieces, fill, header.body_nbytes, limiter=reading.limiter)
+    window_bytes, pool_bytes = _window_sizes(header, fill, device_storages, destination.max_bytes)
+    cut = await run_sync(
+        without_gc(windows), pieces, fill, header.body_nbytes, window_bytes, limiter=reading.limiter
+    )
     sink.devices = _DeviceCopies({fill.storage(i).pairs[0][1].device for i in device_storages})
-    biggest = max(_aligned(int(header.segments.nbytes[i])) for i in device_storages)
     kind = BufferKind.PINNED if torch.cuda.is_available() else BufferKind.PLAIN
-    pool = BufferPool(kind, max_bytes=2 * max(WINDOW_BYTES, biggest), retain=True)
+    pool = BufferPool(kind, max_bytes=pool_bytes, retain=True)
     try:
         with one_error():  # the read's own error, not a group of it
             async with anyio.create_task_group() as group:
                 for window in cut:
-                    lease = await _lease(pool, window, fill, sink)
+                    lease = await _lease(pool, window, fill, sink, window_bytes)
                     try:
                         await _read_window(reading, sink, window)
                     finally:
@@ -455,8 +461,29 @@ async def _read_window(reading: _Reading, sink: IntoSink, window: tuple[int, int
     )
 
 
+def _window_sizes(header: FileHeader, fill: Fill, device: list[int], cap: int | None) -> tuple[int, int]:
+    """The bytes of a window and of the pool of pinned buffers for ``device`` storages: two
+    windows in use at once (one filling, one copying), under the staging cap where there
+    is one (the second waits for room: back-pressure, as for a stage).
+
+    :raises CapacityError: one storage alone needs more than the cap (names its key path).
+    """
+    sizes = header.segments.nbytes
+    biggest = max(device, key=lambda s: int(sizes[s]))
+    need = _aligned(int(sizes[biggest]))
+    if cap is None:
+        return WINDOW_BYTES, 2 * max(WINDOW_BYTES, need)
+    if need > cap:
+        path = format_key_path(fill.paths_of(biggest)[0])
+        raise CapacityError(
+            f"{path}: restoring it to its device needs a {need:,}-byte pinned buffer, more than "
+            f"max_staging_bytes={cap:,}; raise the cap, or restore into CPU tensors and copy"
+        )
+    return max(1, min(WINDOW_BYTES, cap // 2)), cap
+
+
 async def _lease(
-    pool: BufferPool, window: tuple[int, int, list[Piece]], fill: Fill, sink: IntoSink
+    pool: BufferPool, window: tuple[int, int, list[Piece]], fill: Fill, sink: IntoSink, window_bytes: int
 ) -> Lease | None:
     """A pinned buffer for the window's accelerator-bound storages, parted into ``sink.pinned``
     (each at a 64-byte boundary: a multiple of every element size)."""
@@ -464,7 +491,7 @@ async def _lease(
     if not on_device:
         return None
     need = sum(_aligned(p.nbytes) for p in on_device)
-    lease = await pool.acquire([max(need, WINDOW_BYTES)])
+    lease = await pool.acquire([max(need, window_bytes)])
     at = 0
     for piece in on_device:
         sink.pinned[piece.storage] = (lease.buffers[0], at)

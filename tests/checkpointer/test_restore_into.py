@@ -494,6 +494,53 @@ async def test_the_windowed_pinned_path_fills_bit_exact_on_the_cpu_too(
 
 
 @pytest.mark.anyio
+async def test_the_windowed_path_stays_under_the_staging_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinned buffers on their way to a device are the staging buffers of a restore: under a
+    cap smaller than two default windows, the windows shrink to fit and the fill is whole."""
+    source = source_state(8)
+    await saved(tmp_path, source)
+    as_device_targets(monkeypatch)
+    monkeypatch.setattr(restore_into, "WINDOW_BYTES", 64 << 20)  # the default: two would pass the cap
+    leased: list[int] = []
+    acquire = restore_into.BufferPool.acquire
+
+    async def counted(self: Any, sizes: Any, **kwargs: Any) -> Any:
+        leased.append(sum(sizes))
+        return await acquire(self, sizes, **kwargs)
+
+    monkeypatch.setattr(restore_into.BufferPool, "acquire", counted)
+    cap = 16 << 10  # above the largest storage (the RNG state, ~5 KB), far below 2 x 64 MiB
+    stager = astage.DefaultStager(astage.StagingOptions(max_staging_bytes=cap))
+    dest = destination_state()
+    async with stager, astage.Checkpointer(tmp_path, stager=stager) as ckpt:
+        await ckpt.restore(into=dest)
+    assert_filled(dest, source)
+    assert len(leased) > 2, leased  # many small windows, not one of 64 MiB
+    assert max(leased) <= cap, leased
+
+
+@pytest.mark.anyio
+async def test_a_storage_bigger_than_the_staging_cap_is_refused_before_a_byte_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = {"small": torch.ones(4), "big": torch.arange(1000, dtype=torch.float64)}
+    await saved(tmp_path, source)
+    as_device_targets(monkeypatch)
+    dest = {"small": torch.zeros(4), "big": torch.zeros(1000, dtype=torch.float64)}
+    stager = astage.DefaultStager(astage.StagingOptions(max_staging_bytes=1024))
+    async with stager, astage.Checkpointer(tmp_path, stager=stager) as ckpt:
+        with pytest.raises(astage.CapacityError, match=r"\['big'\].*max_staging_bytes=1,024") as info:
+            await ckpt.restore(into=dest)
+        assert info.value.fill_report.untouched == (("small",), ("big",))  # type: ignore[attr-defined]
+        assert bool((dest["big"] == 0).all())
+        assert bool((dest["small"] == 0).all())
+        got = await ckpt.restore()  # the Checkpointer is usable: a restore without a destination
+    assert torch.equal(got["big"], source["big"])
+
+
+@pytest.mark.anyio
 async def test_dtensors_and_parameters_are_filled_through_their_local_tensors(
     one_rank_group: None, tmp_path: Path
 ) -> None:
