@@ -270,22 +270,6 @@ class LayoutCache:
         if kept is not None:
             self._kept = kept
 
-    def finish_blocking(
-        self,
-        staged: Any,
-        layout: FileLayout | PendingLayout | PlannedLayout,
-        *,
-        copy: int | None,
-        between: Callable[[], object] | None = None,
-    ) -> FileLayout:
-        """:meth:`finish` on the calling thread, a worker's: the same steps driven straight
-        through (``between`` runs between two slices), so that a save's background half
-        needs no turn of the event loop (see :mod:`astage._checkpointer.save_pipeline`)."""
-        complete, keep = self.complete_blocking(staged, layout, copy=copy, between=between)
-        if keep is not None:
-            keep()
-        return complete
-
     def complete_blocking(
         self,
         staged: Any,
