@@ -274,10 +274,11 @@ def _fill_plan_in_slices(
     back = dict(assigned)
     leaves = (TensorKind.NDARRAY, TensorKind.BYTESIO)
     kept = frozenset(t.storage for t in file_plan.tensors if t.kind in leaves)
+    pairing = _Pairing(file_plan, dest, back, users, kept)
     fills: list[StorageFill] = []
     problems: list[tuple[KeyPath, str]] = []
     for s, dposes in enumerate(by_storage):
-        fill, problem = _storage_fill(file_plan, dest, s, dposes, back, users, kept)
+        fill, problem = pairing.fill(s, dposes)
         fills.append(fill)
         if problem is not None:
             problems.append(problem)
@@ -298,92 +299,94 @@ def _fill_plan_in_slices(
     return FillPlan(fills, originals, paths, list(dest_places))
 
 
-def _storage_fill(
-    file_plan: StagePlan,
-    dest: PlannedSource,
-    s: int,
-    dposes: list[int],
-    back: Mapping[int, int],
-    users: Mapping[int, int],
-    kept: frozenset[int],
-) -> tuple[StorageFill, tuple[KeyPath, str] | None]:
-    """The fill of file storage ``s`` (filling the destination tensors ``dposes``), or why not."""
-    keep = s in kept
-    if len(dposes) == 1 and not keep:
-        direct = _direct_one(file_plan, dest, s, dposes[0], back[dposes[0]], users)
-        if direct is not None:
-            return direct, None
-    pairs = tuple((file_plan.tensors[back[d]], dest.tensors[d]) for d in dposes)
-    if not pairs:
-        return StorageFill(Mode.FRESH, (), None, True), None
-    on_cpu = all(local.is_cpu for _, local in pairs)
-    one_device = len({local.device for _, local in pairs}) == 1
-    whole = _whole(file_plan, dest, s, dposes, back, users) if one_device and not keep else None
-    if whole is None:
-        for d in dposes:
-            spec = dest.plan.tensors[d]
-            if _overlaps(tuple(spec.size), tuple(spec.stride)):
-                problem = (
-                    f"the destination tensor overlaps itself (stride {tuple(spec.stride)}) and does not "
-                    "share the file's layout: it cannot be filled element by element"
-                )
-                return StorageFill(Mode.BOUNCE, pairs, None, keep), (dest.plan.tensors[d].key_path, problem)
-    mode = (Mode.DIRECT if whole is not None else Mode.BOUNCE) if on_cpu else Mode.DEVICE
-    return StorageFill(mode, pairs, whole, keep), None
+@dataclasses.dataclass(frozen=True)
+class _Pairing:
+    """The file's tensors paired with the destination's (``back``: destination position ->
+    file position), and how many file storages fill each destination storage (``users``)."""
 
+    file_plan: StagePlan
+    dest: PlannedSource
+    back: Mapping[int, int]
+    users: Mapping[int, int]
+    kept: frozenset[int]
+    """File storages whose bytes the returned tree needs (an array or BytesIO on them)."""
 
-def _whole(
-    file_plan: StagePlan,
-    dest: PlannedSource,
-    s: int,
-    dposes: list[int],
-    back: Mapping[int, int],
-    users: Mapping[int, int],
-) -> torch.UntypedStorage | None:
-    """The caller's storage as bytes, where file storage ``s`` may be written over it whole:
-    one destination storage of the same size, filled from no other file storage, every
-    tensor on it at the file's offset and strides, one of them covering all of it."""
-    dstorages = {dest.plan.tensors[d].storage for d in dposes}
-    if len(dstorages) != 1:
-        return None
-    d = next(iter(dstorages))
-    nbytes = file_plan.storages[s].nbytes
-    if users[d] != 1 or dest.plan.storages[d].nbytes != nbytes:
-        return None
-    for p in dposes:
-        have, want = dest.plan.tensors[p], file_plan.tensors[back[p]]
-        if have.offset != want.offset or tuple(have.stride) != tuple(want.stride):
+    def fill(self, s: int, dposes: list[int]) -> tuple[StorageFill, tuple[KeyPath, str] | None]:
+        """The fill of file storage ``s`` (filling the destination tensors ``dposes``), or why not."""
+        file_plan, dest = self.file_plan, self.dest
+        keep = s in self.kept
+        if len(dposes) == 1 and not keep:
+            direct = self._direct_one(s, dposes[0])
+            if direct is not None:
+                return direct, None
+        pairs = tuple((file_plan.tensors[self.back[d]], dest.tensors[d]) for d in dposes)
+        if not pairs:
+            return StorageFill(Mode.FRESH, (), None, True), None
+        on_cpu = all(local.is_cpu for _, local in pairs)
+        one_device = len({local.device for _, local in pairs}) == 1
+        whole = self._whole(s, dposes) if one_device and not keep else None
+        if whole is None:
+            for d in dposes:
+                spec = dest.plan.tensors[d]
+                if _overlaps(tuple(spec.size), tuple(spec.stride)):
+                    problem = (
+                        f"the destination tensor overlaps itself (stride {tuple(spec.stride)}) and does not "
+                        "share the file's layout: it cannot be filled element by element"
+                    )
+                    return StorageFill(Mode.BOUNCE, pairs, None, keep), (spec.key_path, problem)
+        mode = (Mode.DIRECT if whole is not None else Mode.BOUNCE) if on_cpu else Mode.DEVICE
+        return StorageFill(mode, pairs, whole, keep), None
+
+    def _whole(self, s: int, dposes: list[int]) -> torch.UntypedStorage | None:
+        """The caller's storage as bytes, where file storage ``s`` may be written over it whole:
+        one destination storage of the same size, filled from no other file storage, every
+        tensor on it at the file's offset and strides, one of them covering all of it."""
+        dest = self.dest
+        dstorages = {dest.plan.tensors[d].storage for d in dposes}
+        if len(dstorages) != 1:
             return None
-    if not any(_covers(dest.tensors[p], nbytes) for p in dposes):
-        return None
-    return dest.storages[d]
+        d = next(iter(dstorages))
+        nbytes = self.file_plan.storages[s].nbytes
+        if self.users[d] != 1 or dest.plan.storages[d].nbytes != nbytes:
+            return None
+        for p in dposes:
+            have, want = dest.plan.tensors[p], self.file_plan.tensors[self.back[p]]
+            if have.offset != want.offset or tuple(have.stride) != tuple(want.stride):
+                return None
+        if not any(_covers(dest.tensors[p], nbytes) for p in dposes):
+            return None
+        return dest.storages[d]
+
+    def _direct_one(self, s: int, d: int) -> StorageFill | None:
+        """The common case at a glance, from the plans' records alone: one CPU tensor alone on a
+        storage of the file storage's size, at its offset and strides, covering it."""
+        have, want = self.dest.plan.tensors[d], self.file_plan.tensors[self.back[d]]
+        storage = self.dest.plan.storages[have.storage]
+        nbytes = self.file_plan.storages[s].nbytes
+        if (
+            storage.nbytes != nbytes
+            or have.offset != want.offset
+            or have.stride != want.stride
+            or storage.device.type != "cpu"
+            or self.users[have.storage] != 1
+            or have.offset
+            or _dense_reach(have.size, have.stride) * have.dtype.itemsize != nbytes
+        ):
+            return None
+        return StorageFill(
+            Mode.DIRECT, ((want, self.dest.tensors[d]),), self.dest.storages[have.storage], False
+        )
 
 
-def _direct_one(
-    file_plan: StagePlan, dest: PlannedSource, s: int, d: int, f: int, users: Mapping[int, int]
-) -> StorageFill | None:
-    """The common case at a glance, from the plans' records alone: one CPU tensor alone on a
-    storage of the file storage's size, at its offset and strides, covering it."""
-    have, want = dest.plan.tensors[d], file_plan.tensors[f]
-    storage = dest.plan.storages[have.storage]
-    nbytes = file_plan.storages[s].nbytes
-    if (
-        storage.nbytes != nbytes
-        or have.offset != want.offset
-        or have.stride != want.stride
-        or storage.device.type != "cpu"
-        or users[have.storage] != 1
-    ):
-        return None
-    dims = sorted((st, n) for n, st in zip(have.size, have.stride, strict=True) if n > 1 and st)
+def _dense_reach(size: Sequence[int], stride: Sequence[int]) -> int:
+    """The elements a view spans where it is dense in some order of its dims (expanded, stride
+    0, dims aside), else -1: each stride, smallest first, the reach of those before it."""
     reach = 1
-    for st, n in dims:
+    for st, n in sorted((st, n) for n, st in zip(size, stride, strict=True) if n > 1 and st):
         if st != reach:
-            return None
+            return -1
         reach *= n
-    if have.offset or reach * have.dtype.itemsize != nbytes:
-        return None
-    return StorageFill(Mode.DIRECT, ((want, dest.tensors[d]),), dest.storages[have.storage], False)
+    return reach
 
 
 def _covers(local: torch.Tensor, nbytes: int) -> bool:
@@ -391,13 +394,7 @@ def _covers(local: torch.Tensor, nbytes: int) -> bool:
     but along expanded (stride 0) dims: dense in some order of its dims, from offset 0."""
     if local.storage_offset() != 0:
         return False
-    dims = sorted((s, n) for n, s in zip(local.shape, local.stride(), strict=True) if n > 1 and s)
-    reach = 1
-    for s, n in dims:
-        if s != reach:
-            return False
-        reach *= n
-    return reach * local.element_size() == nbytes
+    return _dense_reach(local.shape, local.stride()) * local.element_size() == nbytes
 
 
 def _lookup(tree: Any, path: KeyPath) -> Any:

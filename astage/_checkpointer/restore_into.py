@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import anyio
 import torch
@@ -34,6 +34,7 @@ import torch
 from .._files.body_reads import (
     Piece,
     ReadLedger,
+    pieces_in_slices,
     read_checkpoint_file,
     read_pieces,
     storages_in_slices,
@@ -47,7 +48,7 @@ from .._staging.rebuild import Rebuilder, make_tensor, plain_tensor_mode
 from .._util.collector import without_gc
 from .._util.errors import CapacityError, KeyPath, format_key_path, one_error
 from .._util.threads import run_sync
-from .._util.timeslice import Steps, drive, each_block, run_steps, slice_over, within
+from .._util.timeslice import Steps, drive, run_steps, slice_over, within
 from .destination import Fill, Mode, StorageFill, match_in_slices, places_in_slices
 from .same_shape import same_shape_in_slices
 
@@ -402,7 +403,7 @@ async def fill_body(
     header = reading.header
     sink = IntoSink(fill, header, destination)
     device_storages = fill.device_storages()
-    pieces = await run_steps(_pieces_in_slices(header))
+    pieces = await run_steps(pieces_in_slices(header))
     if not device_storages:
         await _read_window(reading, sink, (0, header.body_nbytes, pieces))
         return sink.bounce
@@ -428,22 +429,6 @@ async def fill_body(
         with anyio.CancelScope(shield=True):
             await pool.aclose()
     return sink.bounce
-
-
-def _pieces_in_slices(header: FileHeader) -> Steps[list[Piece]]:
-    """:func:`~astage._files.body_reads.pieces_of`, a block of storages at a time: made at
-    once, 20,000 records held a worker thread's GIL for ~5 ms, and the loop waited."""
-    segments = header.segments
-    pieces: list[Piece] = []
-    columns = (segments.offsets, segments.nbytes, segments.crcs)
-
-    def visit(block: Sequence[int]) -> None:
-        r = cast(range, block)
-        made = zip(*(c[r.start : r.stop].tolist() for c in columns), r, strict=True)
-        pieces.extend(map(Piece._make, made))
-
-    yield from each_block(range(len(segments)), visit)
-    return pieces
 
 
 async def _read_window(reading: _Reading, sink: IntoSink, window: tuple[int, int, list[Piece]]) -> ReadLedger:
