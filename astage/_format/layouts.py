@@ -260,15 +260,19 @@ class LayoutCache:
         whose plan cannot be re-checked (tensors with attributes, custom
         containers) is not kept; those saves are laid out in full every time.
         """
+        await run_steps(self._keep_in_slices(staged, layout, copy, planned))
+
+    def _keep_in_slices(
+        self, staged: Any, layout: FileLayout, copy: int | None, planned: PlannedSource | None
+    ) -> Steps[None]:
+        """:meth:`keep` in time slices, for the loop or a worker thread."""
         try:
-            if not _fits_every_save(layout):
-                return
-            kept = await run_steps(within(plain_tensor_mode, _plan_kept(staged, layout, copy, planned)))
+            if _fits_every_save(layout):
+                kept = yield from within(plain_tensor_mode, _plan_kept(staged, layout, copy, planned))
+                if kept is not None:
+                    self._kept = kept
         except Exception as exc:  # only a lost speed-up: the next save is laid out in full
             log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
-            return
-        if kept is not None:
-            self._kept = kept
 
     def complete_blocking(
         self,
@@ -308,14 +312,11 @@ class LayoutCache:
         planned: PlannedSource | None,
         between: Callable[[], object] | None,
     ) -> None:
-        """:meth:`keep` on the calling thread."""
+        """:meth:`keep` on the calling thread (``between`` runs between two slices)."""
         try:
-            if _fits_every_save(layout):
-                kept = drive(within(plain_tensor_mode, _plan_kept(staged, layout, copy, planned)), between)
-                if kept is not None:
-                    self._kept = kept
-        except Exception as exc:  # only a lost speed-up (or a save abandoned meanwhile)
-            log.debug("cannot keep the layout of step %d: %r", layout.step, exc)
+            drive(self._keep_in_slices(staged, layout, copy, planned), between)
+        except Exception as exc:  # a save abandoned meanwhile: ``between`` raised
+            log.debug("stopped keeping the layout of step %d: %r", layout.step, exc)
 
 
 def _plan_kept(
